@@ -1,0 +1,110 @@
+"""Checking a rank's fusion outputs against the PyTorch reference block.
+
+The reference runs in float32 on this rank's batch slice, with the weights
+and input the fusion got (rounded to bf16 first when the fusion runs in bf16),
+and applies the very dropout masks the fusion drew: the residual masks come
+back as fusion outputs; in bf16 the attention dropout lives inside flash
+attention, which the reference replays by restoring the CUDA generator and
+calling the same ATen kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from tpfuser.config import BlockConfig, Layout
+from tpfuser.reference import Masks, make_block, make_input
+from tpfuser.runtime import ShardedBlock
+
+# Relative L2 error allowed on the block output, per dtype.
+TOLERANCES = {
+    # bf16 rounds every stored activation (8 mantissa bits, ~4e-3 relative);
+    # errors of a few such roundings through the block stay under 1e-2.
+    "bf16": 1e-2,
+    # fp32 throughout, TF32 off: only the order of summation differs.
+    "fp32": 1e-5,
+}
+
+
+def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    a, e = actual.double().cpu(), expected.double().cpu()
+    return (torch.linalg.vector_norm(a - e) / torch.linalg.vector_norm(e)).item()
+
+
+def flash_replay(p: float, rng_state: torch.Tensor):
+    """Attention through ATen's flash kernel in bf16, its dropout replayed from rng_state."""
+    def attention(q, k, v):
+        torch.cuda.set_rng_state(rng_state)
+        out = torch.ops.aten._scaled_dot_product_flash_attention(
+            q.bfloat16(), k.bfloat16(), v.bfloat16(), p, True)[0]
+        return out.float()
+    return attention
+
+
+@dataclass
+class CheckResult:
+    preset: str
+    dtype: str
+    dropout: float
+    mesh: str
+    rank: int
+    rel_err: float
+    tolerance: float
+    keep_rates: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.rel_err <= self.tolerance
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "ok": self.ok}
+
+
+def check_forward(cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, preset_name: str = "",
+                  rng_seed: int = 1234, rng_offset: int = 0, weight_seed: int = 0) -> CheckResult:
+    """Run this rank's fusion and compare its output with the reference's slice."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    block = ShardedBlock(cfg, layout, rank, check=True, device=device)
+    ref = make_block(cfg, seed=weight_seed)
+    x = make_input(cfg)
+    if cfg.dtype == "bf16":  # the reference sees exactly the values the fusion sees
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.copy_(p.bfloat16().float())
+        x = x.bfloat16().float()
+    block.load(ref.state_dict())
+
+    rng_state = torch.cuda.get_rng_state()
+    outs = block(block.shard_input(x), rng_seed, rng_offset)
+    out = outs["out"]
+
+    masks, attention = None, None
+    if cfg.dropout > 0:
+        if "attn_keep" in outs and layout.tp > 1:
+            raise NotImplementedError("the fp32 attention masks of the other tp ranks are needed at tp > 1")
+        masks = Masks(resid_attn=outs["resid_attn_keep"], resid_mlp=outs["resid_mlp_keep"], attn=outs.get("attn_keep"))
+        if cfg.dtype == "bf16":
+            attention = flash_replay(cfg.dropout, rng_state)
+    elif cfg.dtype == "bf16":
+        attention = flash_replay(0.0, rng_state)
+    ref = ref.to(device)
+    with torch.no_grad():
+        expected = ref(block.shard_output(x).to(device), masks, attention)
+
+    result = CheckResult(preset_name, cfg.dtype, cfg.dropout, f"{layout.dp}x{layout.tp}", rank,
+                         rel_l2(out, expected), TOLERANCES[cfg.dtype])
+    for name, t in outs.items():
+        if name.endswith("_keep"):
+            result.keep_rates[name] = t.float().mean().item()
+    if attention is not None:
+        result.notes.append("attention through ATen flash attention, dropout replayed from the CUDA generator")
+    return result
+
+
+def keep_rate_bound(n: int, p: float, sigmas: float = 6.0) -> float:
+    """Half-width of a `sigmas`-sigma interval on the mean of n Bernoulli(1-p)."""
+    return sigmas * math.sqrt(p * (1 - p) / n)

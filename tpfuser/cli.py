@@ -1,0 +1,113 @@
+"""Command line: a thin layer over the Python API.
+
+  tpfuser show  [--preset P] [--dtype D] [--dp N --tp N]   print the fusion (no GPU)
+  tpfuser plan  [--preset P] [--dp N --tp N] [--json F]    shardings, collectives, FLOPs (no GPU)
+  tpfuser check [--preset P] [--dtype D] [--dp N --tp N]   fusion vs reference on GPUs
+  tpfuser main                                              check if GPUs exist, else show + plan
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from tpfuser.config import PRESETS, Layout, preset
+
+NO_GPU = "no CUDA device here: running the fusion needs a CUDA GPU (show and plan work without one)"
+
+
+def _block_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: the preset's")
+    p.add_argument("--dropout", type=float, default=None, help="default: the preset's")
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1)
+
+
+def _cfg(args):
+    overrides = {k: v for k, v in (("dtype", args.dtype), ("dropout", args.dropout)) if v is not None}
+    return preset(args.preset, **overrides), Layout(args.dp, args.tp)
+
+
+def cmd_show(args) -> int:
+    from tpfuser.fusion import build_forward, fusion_text
+    cfg, layout = _cfg(args)
+    print(fusion_text(build_forward(cfg, layout)))
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from tpfuser.report import format_plan, plan_report
+    cfg, layout = _cfg(args)
+    rep = plan_report(cfg, layout, args.preset)
+    print(format_plan(rep))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rep, f, indent=2)
+    return 0
+
+
+def _cuda_count() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def cmd_check(args) -> int:
+    cfg, layout = _cfg(args)
+    layout.check(cfg)
+    if _cuda_count() == 0:
+        print(NO_GPU)
+        return 2
+    from tpfuser.launch import in_launcher, relaunch
+    if layout.world_size > 1 and not in_launcher():
+        return relaunch(layout)
+    from tpfuser.launch import init_rank
+    rank = init_rank(layout)
+    from tpfuser.check import check_forward
+    result = check_forward(cfg, layout, rank, args.preset)
+    verdict = "ok" if result.ok else "FAIL"
+    print(f"rank {rank}: {args.preset} {cfg.dtype} dropout={cfg.dropout} mesh {layout.dp}x{layout.tp}: "
+          f"out rel L2 error {result.rel_err:.2e} (tolerance {result.tolerance:.0e}) {verdict}"
+          + "".join(f"; {k} keep rate {v:.4f}" for k, v in result.keep_rates.items()), flush=True)
+    return 0 if result.ok else 1
+
+
+def cmd_main(args) -> int:
+    if _cuda_count() > 0:
+        rc = 0
+        for dtype in ("fp32", "bf16"):
+            args.dtype = dtype
+            rc |= cmd_check(args)
+        return rc
+    cmd_show(args)
+    print()
+    cmd_plan(args)
+    print()
+    print(NO_GPU)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="tpfuser", description="Megatron-style sharded GPT block in nvFuser")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, fn, hlp in (("show", cmd_show, "print the fusion definition"),
+                          ("plan", cmd_plan, "print the sharding plan"),
+                          ("check", cmd_check, "check the fusion against the reference on GPU"),
+                          ("main", cmd_main, "check on GPUs if any, else show the fusion and plan")):
+        p = sub.add_parser(name, help=hlp)
+        _block_args(p)
+        if name == "plan":
+            p.add_argument("--json", default=None, help="also write the plan as JSON here")
+        p.set_defaults(fn=fn)
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

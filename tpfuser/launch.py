@@ -1,0 +1,73 @@
+"""One launch path for torchrun and mpirun; `--dp/--tp` outside a launcher
+re-executes the same command under torchrun over the local GPUs.
+
+nvFuser's Communicator reads RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE
+(torchrun) or OMPI_COMM_WORLD_* (mpirun), and NVFUSER_MASTER_ADDR / _PORT for
+its TCP store; we derive those from torchrun's MASTER_ADDR / MASTER_PORT.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tpfuser.config import Layout
+from tpfuser.runtime import check_world
+
+# A rank that dies leaves the others waiting in a collective; NCCL's watchdog
+# and torchrun bound that. This is the bound we ask of the whole run.
+RUN_TIMEOUT_S = int(os.environ.get("TPFUSER_TIMEOUT_S", "600"))
+
+_RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK")
+_SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE")
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
+_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
+def _env_int(names, default: int) -> int:
+    for n in names:
+        if n in os.environ:
+            return int(os.environ[n])
+    return default
+
+
+def in_launcher() -> bool:
+    """True under torchrun or mpirun (not in the world of one fusion.py describes)."""
+    return "TPFUSER_SINGLE_PROCESS" not in os.environ and any(n in os.environ for n in _SIZE_VARS)
+
+
+def rank_info() -> dict[str, int]:
+    return {"rank": _env_int(_RANK_VARS, 0), "world_size": _env_int(_SIZE_VARS, 1),
+            "local_rank": _env_int(_LOCAL_RANK_VARS, 0), "local_world_size": _env_int(_LOCAL_SIZE_VARS, 1)}
+
+
+def init_rank(layout: Layout) -> int:
+    """Validate the launch against the mesh, pick this rank's GPU, return the rank."""
+    import torch
+    info = rank_info()
+    check_world(layout, info["world_size"], torch.cuda.device_count(), info["local_world_size"])
+    if "MASTER_ADDR" in os.environ:
+        os.environ.setdefault("NVFUSER_MASTER_ADDR", os.environ["MASTER_ADDR"])
+    if "MASTER_PORT" in os.environ:
+        # nvFuser's store must not collide with torchrun's own on MASTER_PORT.
+        os.environ.setdefault("NVFUSER_MASTER_PORT", str(int(os.environ["MASTER_PORT"]) + 1))
+    torch.cuda.set_device(info["local_rank"])
+    return info["rank"]
+
+
+def relaunch(layout: Layout) -> int:
+    """Re-run this command under torchrun with dp*tp local ranks."""
+    import torch
+    check_world(layout, layout.world_size, torch.cuda.device_count(), layout.world_size)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TPFUSER_SINGLE_PROCESS", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                        "NVFUSER_MASTER_ADDR", "NVFUSER_MASTER_PORT")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={layout.world_size}", "-m", "tpfuser.cli", *sys.argv[1:]]
+    try:
+        return subprocess.run(cmd, timeout=RUN_TIMEOUT_S, env=env).returncode
+    except subprocess.TimeoutExpired:
+        print(f"error: the {layout.world_size}-rank run did not finish in {RUN_TIMEOUT_S} s "
+              f"(a rank may have died; set TPFUSER_TIMEOUT_S to change the bound)", file=sys.stderr)
+        return 124

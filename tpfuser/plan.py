@@ -1,0 +1,96 @@
+"""The sharding plan, as data: which tensor dimension each mesh axis splits.
+
+Megatron-LM tensor parallelism (Shoeybi et al., 2019) on a dp x tp mesh:
+
+  qkv    = ln_1(x) @ W_attn^T   W_attn split by output rows (column-parallel):
+                                each tp rank owns whole heads of q, k and v.
+  y_attn = attn   @ W_proj^T    W_proj split by input columns (row-parallel):
+                                partial sums, all-reduced over tp, bias added once.
+  h      = ln_2(.) @ W_fc^T     column-parallel (the 4e MLP hidden split over tp).
+  y_mlp  = gelu(h) @ W_proj2^T  row-parallel, all-reduced over tp.
+
+LayerNorms, residuals and the residual dropouts are replicated over tp. The
+batch is split over dp everywhere and never resharded; weights are replicated
+over dp. The schedule (fusion.py), the weight slicer (shard.py), the `plan`
+command and the tests all read the placements below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tpfuser.config import BlockConfig, Layout
+
+# A placement maps a tensor dimension to the mesh axis that splits it.
+DP, TP = "dp", "tp"
+Placement = dict[int, str]
+
+PARAM_PLACEMENTS: dict[str, Placement] = {
+    "ln_1.weight": {}, "ln_1.bias": {},
+    "attn.c_attn.weight": {0: TP}, "attn.c_attn.bias": {0: TP},   # column-parallel
+    "attn.c_proj.weight": {1: TP}, "attn.c_proj.bias": {},         # row-parallel
+    "ln_2.weight": {}, "ln_2.bias": {},
+    "mlp.c_fc.weight": {0: TP}, "mlp.c_fc.bias": {0: TP},           # column-parallel
+    "mlp.c_proj.weight": {1: TP}, "mlp.c_proj.bias": {},            # row-parallel
+}
+
+ACTIVATION_PLACEMENTS: dict[str, Placement] = {
+    "x": {0: DP},                      # [b, s, e]
+    "out": {0: DP},                    # [b, s, e]
+    "resid_attn_keep": {0: DP},        # [b, s, e], replicated over tp as in Megatron
+    "resid_mlp_keep": {0: DP},         # [b, s, e]
+    "attn_keep": {0: DP, 1: TP},       # [b, h, s, s], heads split over tp
+}
+
+PLACEMENTS: dict[str, Placement] = {**PARAM_PLACEMENTS, **ACTIVATION_PLACEMENTS}
+
+
+def local_shape(shape: tuple[int, ...], placement: Placement, layout: Layout) -> tuple[int, ...]:
+    sizes = {DP: layout.dp, TP: layout.tp}
+    out = list(shape)
+    for dim, axis in placement.items():
+        if out[dim] % sizes[axis]:
+            raise ValueError(f"dimension {dim} of size {out[dim]} is not divisible by {axis}={sizes[axis]}")
+        out[dim] //= sizes[axis]
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str          # "allreduce"
+    axis: str          # mesh axis of the team
+    where: str         # which op's output it reduces
+    shape: tuple[int, ...]  # per-rank tensor shape
+    dtype_bytes: int
+
+    @property
+    def bytes_per_rank(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype_bytes
+
+
+def collectives(cfg: BlockConfig, layout: Layout) -> list[Collective]:
+    """The tp all-reduces of the forward; none over dp. With tp == 1 the
+    all-reduces are over a team of one and move nothing."""
+    b, s, e = cfg.batch // layout.dp, cfg.seq, cfg.n_embd
+    nbytes = cfg.torch_dtype.itemsize
+    return [Collective("allreduce", TP, "attn.c_proj", (b, s, e), nbytes),
+            Collective("allreduce", TP, "mlp.c_proj", (b, s, e), nbytes)]
+
+
+def forward_flops(cfg: BlockConfig, layout: Layout = Layout()) -> dict[str, int]:
+    """Matmul FLOPs of the forward per rank (2 per multiply-add). Attention
+    counts the causal half of q k^T and probs v, as flash attention computes."""
+    b, s, e, f = cfg.batch // layout.dp, cfg.seq, cfg.n_embd, 4 * cfg.n_embd
+    tp = layout.tp
+    flops = {
+        "attn.c_attn": 2 * b * s * e * 3 * e // tp,
+        "attention": 2 * 2 * b * s * s * e // tp // 2,
+        "attn.c_proj": 2 * b * s * e * e // tp,
+        "mlp.c_fc": 2 * b * s * e * f // tp,
+        "mlp.c_proj": 2 * b * s * f * e // tp,
+    }
+    flops["total"] = sum(flops.values())
+    return flops

@@ -1,0 +1,144 @@
+"""The oracle: nanoGPT's Block in plain PyTorch (GELU tanh, as in Thunder's nanoGPT).
+
+Parameter names are nanoGPT's, so a nanoGPT `Block.state_dict()` loads as is.
+`PARAM_NAMES` is the one ordered list that fixes the order of the fusion's
+`define_tensor`s, of its `execute` inputs and of this module's state_dict.
+
+Dropout is applied through explicit masks when they are given (`Masks`), so
+that the reference can replay exactly what a fusion drew.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tpfuser.config import BlockConfig
+
+PARAM_NAMES: tuple[str, ...] = (
+    "ln_1.weight", "ln_1.bias",
+    "attn.c_attn.weight", "attn.c_attn.bias",
+    "attn.c_proj.weight", "attn.c_proj.bias",
+    "ln_2.weight", "ln_2.bias",
+    "mlp.c_fc.weight", "mlp.c_fc.bias",
+    "mlp.c_proj.weight", "mlp.c_proj.bias",
+)
+
+LN_EPS = 1e-5
+
+
+def param_shapes(cfg: BlockConfig) -> dict[str, tuple[int, ...]]:
+    e = cfg.n_embd
+    return {
+        "ln_1.weight": (e,), "ln_1.bias": (e,),
+        "attn.c_attn.weight": (3 * e, e), "attn.c_attn.bias": (3 * e,),
+        "attn.c_proj.weight": (e, e), "attn.c_proj.bias": (e,),
+        "ln_2.weight": (e,), "ln_2.bias": (e,),
+        "mlp.c_fc.weight": (4 * e, e), "mlp.c_fc.bias": (4 * e,),
+        "mlp.c_proj.weight": (e, 4 * e), "mlp.c_proj.bias": (e,),
+    }
+
+
+@dataclass
+class Masks:
+    """Keep-masks (bool, True = kept) of the block's dropouts, global shapes.
+
+    attn: [b, h, s, s] on the attention probabilities, or None (no dropout
+    there, or dropout done inside a flash-attention kernel);
+    resid_attn, resid_mlp: [b, s, e] on the two residual branches.
+    """
+
+    resid_attn: torch.Tensor
+    resid_mlp: torch.Tensor
+    attn: Optional[torch.Tensor] = None
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
+
+
+def _dropout(x: torch.Tensor, keep: Optional[torch.Tensor], p: float) -> torch.Tensor:
+    if keep is None or p == 0.0:
+        return x
+    return x * keep.to(x.dtype) / (1.0 - p)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: BlockConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x, p: float = 0.0, attn_keep=None, attention: Optional[Callable] = None):
+        b, s, e = x.shape
+        q, k, v = self.c_attn(x).split(e, dim=2)
+        q, k, v = (t.view(b, s, self.n_head, e // self.n_head).transpose(1, 2) for t in (q, k, v))  # (b, h, s, d)
+        if attention is not None:
+            y = attention(q, k, v)
+        else:
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))  # (b, h, s, s)
+            causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+            y = _dropout(probs, attn_keep, p) @ v
+        y = y.transpose(1, 2).reshape(b, s, e)  # (b, s, e)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: BlockConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x):
+        return self.c_proj(gelu_tanh(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    """x + attn(ln_1(x)), then + mlp(ln_2(.)), each branch through dropout."""
+
+    def __init__(self, cfg: BlockConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=LN_EPS)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=LN_EPS)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, masks: Optional[Masks] = None,
+                attention: Optional[Callable] = None) -> torch.Tensor:
+        """With masks=None no dropout is applied (eval semantics)."""
+        p = self.cfg.dropout if masks is not None else 0.0
+        keep = masks or Masks(None, None)
+        x = x + _dropout(self.attn(self.ln_1(x), p, keep.attn, attention), keep.resid_attn, p)
+        return x + _dropout(self.mlp(self.ln_2(x)), keep.resid_mlp, p)
+
+    def params(self) -> list[torch.Tensor]:
+        """Parameters in PARAM_NAMES order, detached."""
+        state = self.state_dict()
+        return [state[name].detach() for name in PARAM_NAMES]
+
+
+def make_block(cfg: BlockConfig, seed: int = 0, dtype=torch.float32, device="cpu") -> Block:
+    """A reference block with GPT-2-like random weights (std 0.02; LayerNorm
+    weights and all biases perturbed so that none of them is trivially 1 or 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    block = Block(cfg)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            if name.startswith("ln_") and name.endswith("weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+    return block.to(device=device, dtype=dtype)
+
+
+def make_input(cfg: BlockConfig, seed: int = 1, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(cfg.batch, cfg.seq, cfg.n_embd, generator=gen).to(device=device, dtype=dtype)

@@ -1,0 +1,81 @@
+"""The `plan` report: shapes, shardings, collectives, FLOPs and bytes per rank.
+Pure Python: it needs neither a GPU nor nvFuser."""
+
+from __future__ import annotations
+
+from tpfuser.config import BlockConfig, Layout
+from tpfuser.plan import ACTIVATION_PLACEMENTS, PARAM_PLACEMENTS, collectives, forward_flops, local_shape
+from tpfuser.reference import PARAM_NAMES, param_shapes
+
+
+def activation_shapes(cfg: BlockConfig) -> dict[str, tuple[int, ...]]:
+    b, s, e, h = cfg.batch, cfg.seq, cfg.n_embd, cfg.n_head
+    shapes = {"x": (b, s, e), "out": (b, s, e)}
+    if cfg.dropout > 0:
+        shapes["resid_attn_keep"] = (b, s, e)
+        shapes["resid_mlp_keep"] = (b, s, e)
+        if cfg.dtype == "fp32":
+            shapes["attn_keep"] = (b, h, s, s)
+    return shapes
+
+
+def plan_report(cfg: BlockConfig, layout: Layout, preset_name: str = "") -> dict:
+    layout.check(cfg)
+    nbytes = cfg.torch_dtype.itemsize
+    tensors = []
+    for kind, shapes, placements in (("input", {"x": activation_shapes(cfg)["x"]}, ACTIVATION_PLACEMENTS),
+                                     ("param", param_shapes(cfg), PARAM_PLACEMENTS),
+                                     ("output", {k: v for k, v in activation_shapes(cfg).items() if k != "x"},
+                                      ACTIVATION_PLACEMENTS)):
+        for name, shape in shapes.items():
+            placement = placements[name]
+            tensors.append({
+                "name": name, "kind": kind, "global_shape": list(shape),
+                "local_shape": list(local_shape(shape, placement, layout)),
+                "sharding": {str(dim): axis for dim, axis in sorted(placement.items())},
+            })
+    param_bytes = sum(_numel(t["local_shape"]) * nbytes for t in tensors if t["kind"] == "param")
+    colls = [{"kind": c.kind, "axis": c.axis, "after": c.where, "shape": list(c.shape),
+              "bytes_per_rank": c.bytes_per_rank} for c in collectives(cfg, layout)]
+    return {
+        "preset": preset_name, "config": {**cfg.__dict__}, "mesh": {"dp": layout.dp, "tp": layout.tp},
+        "tensors": tensors,
+        "collectives": colls,
+        "collectives_over_dp": 0,
+        "flops_per_rank": forward_flops(cfg, layout),
+        "param_bytes_per_rank": param_bytes,
+    }
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+def format_plan(rep: dict) -> str:
+    m = rep["mesh"]
+    lines = [f"{rep['preset'] or 'block'} on a {m['dp']} x {m['tp']} mesh (dp on mesh_y, tp on mesh_x)", ""]
+    lines.append(f"{'tensor':<22}{'global':<22}{'per rank':<22}sharding")
+    for t in rep["tensors"]:
+        shard = ", ".join(f"dim {d} over {a}" for d, a in t["sharding"].items()) or "replicated"
+        lines.append(f"{t['name']:<22}{str(tuple(t['global_shape'])):<22}{str(tuple(t['local_shape'])):<22}{shard}")
+    lines += ["", "collectives nvFuser inserts (forward):"]
+    for c in rep["collectives"]:
+        lines.append(f"  {c['kind']} over {c['axis']} after {c['after']}: {tuple(c['shape'])}, "
+                     f"{_fmt_bytes(c['bytes_per_rank'])} per rank" + ("  (team of one: no traffic)" if m["tp"] == 1 else ""))
+    lines.append(f"  none over dp")
+    f = rep["flops_per_rank"]
+    lines += ["", f"matmul FLOPs per rank: {f['total'] / 1e9:.2f} GFLOP "
+              f"({', '.join(f'{k} {v / 1e9:.2f}' for k, v in f.items() if k != 'total')})",
+              f"parameter bytes per rank: {_fmt_bytes(rep['param_bytes_per_rank'])}"]
+    return "\n".join(lines)

@@ -1,0 +1,134 @@
+"""Slicing tensors to ranks, the c_attn reordering, and a float64 simulation
+of the tensor-parallel ranks that uses the very same slicing.
+
+A rank's slice of a tensor is `local_slice(t, placement, layout, rank)`: for
+each dimension its placement names, the tensor is cut into equal contiguous
+chunks along that mesh axis (nvFuser's `outer_split`) and the rank keeps the
+chunk of its coordinate. The runtime, the tests and the simulation all call it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tpfuser.config import BlockConfig, Layout
+from tpfuser.plan import DP, TP, Placement, PARAM_PLACEMENTS, PLACEMENTS
+from tpfuser.reference import LN_EPS, PARAM_NAMES, gelu_tanh
+
+
+def local_slice(t: torch.Tensor, placement: Placement, layout: Layout, rank: int) -> torch.Tensor:
+    """This rank's contiguous chunk of a global tensor."""
+    coords = dict(zip((DP, TP), layout.rank_coords(rank)))
+    sizes = {DP: layout.dp, TP: layout.tp}
+    for dim, axis in placement.items():
+        n = sizes[axis]
+        if t.shape[dim] % n:
+            raise ValueError(f"cannot split dimension {dim} of size {t.shape[dim]} over {axis}={n}")
+        t = t.chunk(n, dim=dim)[coords[axis]]
+    return t.contiguous()
+
+
+def gather(shards: list[torch.Tensor], placement: Placement, layout: Layout) -> torch.Tensor:
+    """Inverse of local_slice: reassemble the global tensor from every rank's shard
+    (ranks in order). Ranks that hold replicas of a chunk must agree exactly."""
+    by_coords = {layout.rank_coords(r): s for r, s in enumerate(shards)}
+    dp_dims = [d for d, a in placement.items() if a == DP]
+    tp_dims = [d for d, a in placement.items() if a == TP]
+    rows = []
+    for i in range(layout.dp):
+        row = [by_coords[(i, j)] for j in range(layout.tp)]
+        if tp_dims:
+            rows.append(torch.cat(row, dim=tp_dims[0]))
+        else:
+            for j, r in enumerate(row[1:], 1):
+                if not torch.equal(r, row[0]):
+                    raise AssertionError(f"replicas over tp differ between tp ranks 0 and {j} (dp rank {i})")
+            rows.append(row[0])
+    if dp_dims:
+        return torch.cat(rows, dim=dp_dims[0])
+    for i, r in enumerate(rows[1:], 1):
+        if not torch.equal(r, rows[0]):
+            raise AssertionError(f"replicas over dp differ between dp ranks 0 and {i}")
+    return rows[0]
+
+
+def qkv_heads_interleaved(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Reorder nanoGPT's c_attn rows from blocked [Q; K; V] ([3, h, d]) to head
+    by head ([h, 3, d]), the order the fusion takes, so that an outer split of
+    the rows over tp gives each rank whole heads of q, k and v.
+    Works on the weight [3e, e] and on the bias [3e]."""
+    three_e = t.shape[0]
+    if three_e % (3 * n_head):
+        raise ValueError(f"c_attn has {three_e} rows: expected a multiple of 3 * n_head = {3 * n_head}")
+    d = three_e // (3 * n_head)
+    rest = t.shape[1:]
+    return t.reshape(3, n_head, d, *rest).transpose(0, 1).reshape(three_e, *rest).contiguous()
+
+
+def qkv_blocked(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of qkv_heads_interleaved."""
+    three_e = t.shape[0]
+    d = three_e // (3 * n_head)
+    rest = t.shape[1:]
+    return t.reshape(n_head, 3, d, *rest).transpose(0, 1).reshape(three_e, *rest).contiguous()
+
+
+def fusion_params(state: dict[str, torch.Tensor], cfg: BlockConfig) -> dict[str, torch.Tensor]:
+    """The global parameters in the fusion's convention, from a nanoGPT-style state_dict."""
+    out = {name: state[name] for name in PARAM_NAMES}
+    for name in ("attn.c_attn.weight", "attn.c_attn.bias"):
+        out[name] = qkv_heads_interleaved(out[name], cfg.n_head)
+    return out
+
+
+def rank_params(fparams: dict[str, torch.Tensor], layout: Layout, rank: int) -> list[torch.Tensor]:
+    """This rank's parameter shards, in PARAM_NAMES order."""
+    return [local_slice(fparams[name], PARAM_PLACEMENTS[name], layout, rank) for name in PARAM_NAMES]
+
+
+# ---------------------------------------------------------------------------
+# A float64 simulation of the tp ranks: each rank computes on its shards only;
+# the all-reduce is a sum of the ranks' partial projections.
+
+def _layer_norm(x, weight, bias):
+    mean = x.mean(-1, keepdim=True)
+    var = x.var(-1, unbiased=False, keepdim=True)
+    return (x - mean) / torch.sqrt(var + LN_EPS) * weight + bias
+
+
+def _rank_attention(ln_1, w, cfg: BlockConfig, tp: int):
+    """Column-parallel qkv, attention over this rank's heads, and the partial
+    row-parallel projection (no bias): sum over ranks = c_proj(attn) - bias."""
+    b, s, _ = ln_1.shape
+    h_local, d = cfg.n_head // tp, cfg.head_dim
+    qkv = ln_1 @ w["attn.c_attn.weight"].T + w["attn.c_attn.bias"]  # (b, s, 3e/tp), heads outermost
+    qkv = qkv.view(b, s, h_local, 3, d)
+    q, k, v = (qkv[..., i, :].transpose(1, 2) for i in range(3))   # (b, h/tp, s, d)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(d)
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    y = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1) @ v
+    y = y.transpose(1, 2).reshape(b, s, h_local * d)                 # (b, s, e/tp)
+    return y @ w["attn.c_proj.weight"].T
+
+
+def _rank_mlp(ln_2, w):
+    return gelu_tanh(ln_2 @ w["mlp.c_fc.weight"].T + w["mlp.c_fc.bias"]) @ w["mlp.c_proj.weight"].T
+
+
+def simulate_tp_forward(x: torch.Tensor, state: dict[str, torch.Tensor], cfg: BlockConfig, tp: int) -> torch.Tensor:
+    """The block forward (no dropout) as tp ranks compute it, in the dtype of x.
+
+    Each rank gets its shards through rank_params (the runtime's slicing);
+    the partial sums of the row-parallel projections are added (the all-reduce)
+    and the replicated bias is added once after the sum."""
+    layout = Layout(dp=1, tp=tp)
+    layout.check(cfg)
+    fparams = fusion_params(state, cfg)
+    ranks = [dict(zip(PARAM_NAMES, rank_params(fparams, layout, r))) for r in range(tp)]
+    w0 = ranks[0]
+    ln_1 = _layer_norm(x, w0["ln_1.weight"], w0["ln_1.bias"])
+    x = x + sum(_rank_attention(ln_1, w, cfg, tp) for w in ranks) + w0["attn.c_proj.bias"]
+    ln_2 = _layer_norm(x, w0["ln_2.weight"], w0["ln_2.bias"])
+    return x + sum(_rank_mlp(ln_2, w) for w in ranks) + w0["mlp.c_proj.bias"]
