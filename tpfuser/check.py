@@ -10,7 +10,6 @@ calling the same ATen kernel.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -53,7 +52,11 @@ class CheckResult:
     rank: int
     rel_err: float
     tolerance: float
+    # Error of the branches alone ((out - x) against (expected - x)): the
+    # residual x dominates `out`, so this is the sharper signal.
+    branch_rel_err: float = float("nan")
     keep_rates: dict = field(default_factory=dict)
+    mask_digests: dict = field(default_factory=dict)   # to compare masks across ranks cheaply
     notes: list = field(default_factory=list)
 
     @property
@@ -95,16 +98,15 @@ def check_forward(cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, pr
     with torch.no_grad():
         expected = ref(block.shard_output(x).to(device), masks, attention)
 
+    x_local = block.shard_output(x).to(device)
     result = CheckResult(preset_name, cfg.dtype, cfg.dropout, f"{layout.dp}x{layout.tp}", rank,
-                         rel_l2(out, expected), TOLERANCES[cfg.dtype])
+                         rel_l2(out, expected), TOLERANCES[cfg.dtype],
+                         rel_l2(out.float() - x_local, expected - x_local))
     for name, t in outs.items():
         if name.endswith("_keep"):
             result.keep_rates[name] = t.float().mean().item()
+            flat = t.flatten().to(torch.int64)
+            result.mask_digests[name] = int((flat * torch.arange(1, flat.numel() + 1, device=flat.device)).sum() % (1 << 61))
     if attention is not None:
         result.notes.append("attention through ATen flash attention, dropout replayed from the CUDA generator")
     return result
-
-
-def keep_rate_bound(n: int, p: float, sigmas: float = 6.0) -> float:
-    """Half-width of a `sigmas`-sigma interval on the mean of n Bernoulli(1-p)."""
-    return sigmas * math.sqrt(p * (1 - p) / n)

@@ -43,7 +43,7 @@ def cmd_plan(args) -> int:
     cfg, layout = _cfg(args)
     rep = plan_report(cfg, layout, args.preset)
     print(format_plan(rep))
-    if args.json:
+    if getattr(args, "json", None):
         with open(args.json, "w") as f:
             json.dump(rep, f, indent=2)
     return 0

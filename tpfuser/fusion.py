@@ -227,3 +227,17 @@ def _takes_arg(fn) -> bool:
 def communicator():
     """nvFuser's process-wide Communicator (reads torchrun's or mpirun's variables)."""
     return nvf.multidevice.Communicator.instance()
+
+
+def loop_sharding(tv) -> tuple[str, list[tuple[str, int]]]:
+    """(device mesh, [(parallel type, extent), ...] of the loop domain) of a TensorView,
+    read from its IterDomains: 'mesh_x' / 'mesh_y' for device-parallel axes, '' otherwise."""
+    axes = []
+    for axis in tv.get_loop_domain():
+        text = str(axis)  # e.g. 'ideviceIdx.y388{2}' or 'iS389{2}'
+        extent = int(text[text.rindex("{") + 1:text.rindex("}")])
+        kind = "mesh_x" if "deviceIdx.x" in text else "mesh_y" if "deviceIdx.y" in text else ""
+        axes.append((kind, extent))
+    text = str(tv)
+    mesh = text[text.index("DeviceMesh"):text.rindex(")")] if "DeviceMesh" in text else ""
+    return mesh, axes

@@ -15,15 +15,31 @@ from typing import Optional
 import torch
 
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.fusion import build_forward, communicator
+from tpfuser.fusion import RNG_STREAMS, build_forward, communicator
 from tpfuser.plan import ACTIVATION_PLACEMENTS, PARAM_PLACEMENTS, local_shape
 from tpfuser.reference import PARAM_NAMES, param_shapes
 from tpfuser.shard import fusion_params, local_slice, rank_params
 
-# Each dp rank draws its dropout masks from its own region of philox offsets,
-# so that data-parallel replicas do not drop the same positions of their
-# batch slices. Tp ranks share the region: Megatron replicates those masks.
-DP_RNG_STRIDE = 1 << 40
+# nvFuser's generated kernels hold the philox offset in the index type (32-bit
+# for these sizes): an offset of 2**40 wrapped to 0 on the H200 and gave every
+# dp rank the same masks. Offsets therefore stay below 2**31.
+RNG_OFFSET_LIMIT = 1 << 31
+
+
+def rank_rng_offset(rng_offset: int, dp: int, dp_rank: int) -> int:
+    """The fusion's base philox offset for this rank.
+
+    Each (user offset, dp rank) pair gets its own block of len(RNG_STREAMS)
+    offsets, so that data-parallel replicas do not drop the same positions of
+    their batch slices and no two streams ever share a philox counter. Tp ranks
+    share the block: Megatron replicates those masks over tp."""
+    if not isinstance(rng_offset, int) or rng_offset < 0:
+        raise ValueError(f"rng_offset={rng_offset!r}: must be a non-negative int")
+    base = (rng_offset * dp + dp_rank) * len(RNG_STREAMS)
+    if base + len(RNG_STREAMS) > RNG_OFFSET_LIMIT:
+        raise ValueError(f"rng_offset={rng_offset}: must be below {RNG_OFFSET_LIMIT // (dp * len(RNG_STREAMS))} "
+                         f"for dp={dp} (the fusion's philox offsets are 32-bit)")
+    return base
 
 
 def check_world(layout: Layout, world_size: int, local_gpus: Optional[int] = None, local_ranks: Optional[int] = None) -> None:
@@ -39,12 +55,16 @@ class ShardedBlock:
     """One rank's share of the block forward on a dp x tp mesh."""
 
     def __init__(self, cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, check: bool = False,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, mesh: bool = True):
+        """mesh=False (1x1 only) builds the fusion without a device mesh: the
+        same math, run by nvFuser's single-device executor (see NOTES.md)."""
         layout.check(cfg)
+        if not mesh and layout.world_size != 1:
+            raise ValueError(f"mesh=False needs a 1x1 layout, got {layout.dp}x{layout.tp}")
         self.cfg, self.layout, self.rank, self.check = cfg, layout, rank, check
         self.dp_rank, self.tp_rank = layout.rank_coords(rank)
         self.device = device or torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
-        self.fusion = build_forward(cfg, layout, check=check)
+        self.fusion = build_forward(cfg, layout if mesh else None, check=check)
         self.output_names = list(self.fusion.outputs)
         self._params: Optional[list[torch.Tensor]] = None
 
@@ -109,7 +129,9 @@ class ShardedBlock:
         self._validate("x", x, self.input_shape())
         inputs = [x.contiguous(), *self._params]
         if self.fusion.has_rng:
-            inputs += [int(rng_seed), int(rng_offset) + self.dp_rank * DP_RNG_STRIDE]
+            if not isinstance(rng_seed, int) or not 0 <= rng_seed < RNG_OFFSET_LIMIT:
+                raise ValueError(f"rng_seed={rng_seed!r}: must be an int in [0, 2**31)")
+            inputs += [rng_seed, rank_rng_offset(rng_offset, self.layout.dp, self.dp_rank)]
         outs = self.fusion.fd.execute(inputs)
         return dict(zip(self.output_names, outs))
 

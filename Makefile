@@ -1,0 +1,21 @@
+# Two commands on a fresh machine:  `make` (the main job)  and  `make test`.
+# The environment (.venv, Python 3.12 via .python-version) is created when absent.
+PYTHON312 ?= python3.12
+VENV := .venv
+
+.PHONY: run test clean
+run: $(VENV)/.ready
+	$(VENV)/bin/tpfuser main
+
+test: $(VENV)/.ready
+	$(VENV)/bin/python -m pytest -q -rs
+
+$(VENV)/.ready: pyproject.toml
+	@command -v $(PYTHON312) >/dev/null || { echo "need $(PYTHON312): pyenv install 3.12.1 (selected by .python-version)"; exit 1; }
+	test -x $(VENV)/bin/python || $(PYTHON312) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	touch $@
+
+clean:
+	rm -rf $(VENV) *.egg-info

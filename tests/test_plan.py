@@ -1,0 +1,50 @@
+import json
+
+import pytest
+
+from tpfuser.cli import main
+from tpfuser.config import Layout, preset
+from tpfuser.plan import forward_flops
+from tpfuser.report import plan_report
+
+
+def test_gpt3_tp8_plan(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--preset", "gpt3", "--tp", "8", "--json", str(path)]) == 0
+    rep = json.loads(path.read_text())
+    tensors = {t["name"]: t for t in rep["tensors"]}
+    assert tensors["attn.c_attn.weight"]["local_shape"] == [4608, 12288]
+    assert tensors["attn.c_attn.weight"]["sharding"] == {"0": "tp"}
+    assert tensors["mlp.c_proj.weight"]["local_shape"] == [12288, 6144]
+    b, s, e = 1, 2048, 12288
+    assert [(c["kind"], c["axis"]) for c in rep["collectives"]] == [("allreduce", "tp")] * 2
+    assert all(c["shape"] == [b, s, e] and c["bytes_per_rank"] == b * s * e * 2 for c in rep["collectives"])
+    assert rep["collectives_over_dp"] == 0
+    out = capsys.readouterr().out
+    assert "(4608, 12288)" in out and "allreduce over tp after attn.c_proj" in out
+
+
+def test_flops_by_hand():
+    # tiny: b4 s16 e64, 1x1: qkv 2*64*64*192, attn (causal half) 2*4*16*16*64, proj 2*64*64*64,
+    # fc and proj2 2*64*64*256 each, with b*s = 64 rows.
+    f = forward_flops(preset("tiny"), Layout(1, 1))
+    assert f["attn.c_attn"] == 2 * 64 * 64 * 192
+    assert f["attention"] == 2 * 4 * 16 * 16 * 64
+    assert f["attn.c_proj"] == 2 * 64 * 64 * 64
+    assert f["mlp.c_fc"] == f["mlp.c_proj"] == 2 * 64 * 64 * 256
+    assert f["total"] == sum(v for k, v in f.items() if k != "total")
+    g = forward_flops(preset("gpt3"), Layout(1, 8))
+    assert g["total"] * 8 == forward_flops(preset("gpt3"))["total"]
+
+
+def test_param_bytes_per_rank():
+    rep = plan_report(preset("tiny"), Layout(2, 4))
+    e = 64
+    full = (4 * e + 3 * e * e + 3 * e + e * e + e + 4 * e * e + 4 * e + 4 * e * e + e) * 2
+    sharded = (3 * e * e + 3 * e + e * e + 4 * e * e + 4 * e + 4 * e * e) * 2
+    assert rep["param_bytes_per_rank"] == full - sharded + sharded // 4
+
+
+def test_plan_rejects_bad_mesh(capsys):
+    assert main(["plan", "--preset", "nanogpt", "--tp", "2"]) == 2
+    assert "n_head=25: must be divisible by tp=2" in capsys.readouterr().err

@@ -1,0 +1,115 @@
+"""Bad input is a clear error before any GPU work (these run on the CPU)."""
+import pytest
+import torch
+
+from tpfuser.cli import NO_GPU, main
+from tpfuser.config import Layout, preset
+from tpfuser.reference import make_block
+from tpfuser.runtime import ShardedBlock, check_world
+
+
+@pytest.fixture
+def block():
+    return ShardedBlock(preset("tiny", dtype="fp32"), Layout(2, 2), rank=3, device=torch.device("cuda", 0))
+
+
+def test_world_size_must_match_mesh():
+    with pytest.raises(ValueError, match=r"world size 3 != dp\*tp = 2\*2 = 4; launch exactly 4 ranks"):
+        check_world(Layout(2, 2), 3)
+
+
+def test_more_local_ranks_than_gpus():
+    with pytest.raises(ValueError, match="8 ranks on this node but only 1 CUDA device"):
+        check_world(Layout(1, 8), 8, local_gpus=1, local_ranks=8)
+
+
+def test_rank_outside_mesh():
+    with pytest.raises(ValueError, match=r"rank=4: must be in \[0, 4\) for mesh 2x2"):
+        ShardedBlock(preset("tiny"), Layout(2, 2), rank=4)
+
+
+def test_load_rejects_wrong_param_shape(block):
+    state = dict(make_block(preset("tiny")).state_dict())
+    state["mlp.c_fc.weight"] = state["mlp.c_fc.weight"][:, :10]
+    with pytest.raises(ValueError, match=r"mlp.c_fc.weight: expected shape \(256, 64\), got \(256, 10\)"):
+        block.load(state)
+
+
+def test_load_rejects_missing_param(block):
+    state = dict(make_block(preset("tiny")).state_dict())
+    del state["ln_2.bias"]
+    with pytest.raises(ValueError, match=r"state_dict lacks \['ln_2.bias'\]"):
+        block.load(state)
+
+
+def test_load_shards_checks_local_shape_dtype_device(block):
+    shards = [torch.zeros(block.local_param_shape(n)) for n in block.fusion.inputs if n != "x"]
+    with pytest.raises(ValueError, match=r"ln_1.weight: expected a CUDA tensor \(got device cpu\) for rank 3 of mesh 2x2"):
+        block.load_shards(shards)
+    with pytest.raises(ValueError, match=r"attn.c_attn.weight: expected shape \(96, 64\) \(got \(3, 3\)\)"):
+        block._validate("attn.c_attn.weight", torch.zeros(3, 3), block.local_param_shape("attn.c_attn.weight"))
+    with pytest.raises(ValueError, match="expected 12 parameter shards"):
+        block.load_shards(shards[:5])
+
+
+def test_input_validation_names_the_tensor(block):
+    block._params = []  # pretend loaded: input validation comes first
+    with pytest.raises(ValueError, match=r"x: expected shape \(2, 16, 64\) \(got \(4, 16, 64\)\), dtype torch.float32 "
+                                         r"\(got torch.bfloat16\), a CUDA tensor \(got device cpu\)"):
+        block(torch.zeros(4, 16, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="x: expected a torch.Tensor, got list"):
+        block([1, 2])
+
+
+def test_run_before_load(block):
+    with pytest.raises(RuntimeError, match="no parameters: call load"):
+        block(torch.zeros(2, 16, 64))
+
+
+def test_shard_input_is_this_ranks_batch_slice():
+    b = ShardedBlock(preset("tiny", dtype="fp32"), Layout(2, 2), rank=3, device=torch.device("cpu"))
+    x = torch.arange(4.0).view(4, 1, 1).expand(4, 16, 64)
+    assert torch.equal(b.shard_input(x)[:, 0, 0], torch.tensor([2.0, 3.0]))
+
+
+def test_check_without_gpu_says_so_in_one_line(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["check", "--preset", "tiny"]) == 2
+    assert capsys.readouterr().out == NO_GPU + "\n"
+
+
+def test_show_prints_the_fusion(capsys):
+    assert main(["show", "--preset", "tiny", "--dp", "2", "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "linear(" in out and "DeviceMesh{{0 1}{2 3}}" in out
+
+
+def test_main_job_without_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["main", "--preset", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith(NO_GPU) and "allreduce over tp" in out
+
+
+def test_rank_rng_offsets_never_share_a_philox_counter():
+    from tpfuser.fusion import RNG_STREAMS
+    from tpfuser.runtime import rank_rng_offset
+    n = len(RNG_STREAMS)
+    used = set()
+    for offset in range(50):
+        for dp_rank in range(4):
+            base = rank_rng_offset(offset, 4, dp_rank)
+            counters = {base + k for k in range(n)}
+            assert not counters & used
+            used |= counters
+    assert max(used) < 2 ** 31
+
+
+def test_rank_rng_offset_limits():
+    from tpfuser.runtime import rank_rng_offset
+    with pytest.raises(ValueError, match="rng_offset=-1: must be a non-negative int"):
+        rank_rng_offset(-1, 1, 0)
+    with pytest.raises(ValueError, match=r"rng_offset=1000000000: must be below 357913941 for dp=2"):
+        rank_rng_offset(10 ** 9, 2, 1)

@@ -1,0 +1,61 @@
+"""Short table of a gpu_suite run, and $OUT/summary.json."""
+import glob
+import json
+import os
+import sys
+import xml.etree.ElementTree as ET
+
+import torch
+
+out = sys.argv[1]
+summary = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__}
+try:
+    import nvfuser_direct
+    summary["nvfuser"] = nvfuser_direct.__version__
+except Exception:
+    pass
+rows = []
+junit = os.path.join(out, "gpu_tests.xml")
+if os.path.exists(junit):
+    root = ET.parse(junit).getroot()
+    suite = root.find("testsuite") if root.find("testsuite") is not None else root
+    t, f, e, s = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+    summary["gpu_tests"] = {"tests": t, "passed": t - f - e - s, "failed": f + e, "skipped": s}
+    rows.append(("gpu tests (1x1)", f"{t - f - e - s} passed, {f + e} failed, {s} skipped"))
+dp = []
+for path in sorted(glob.glob(os.path.join(out, "dp_rank*.json"))):
+    dp += json.load(open(path))
+summary["dp_2x1"] = dp
+for r in dp:
+    rows.append((f"2x1 rank {r['rank']} {r['preset']} {r['dtype']} p={r['dropout']}",
+                 f"rel err {r['rel_err']:.2e} <= {r['tolerance']:.0e}: {'ok' if r['ok'] else 'FAIL'}" if "rel_err" in r
+                 else f"FAIL {r.get('error')}"))
+by_case = {}
+for r in dp:
+    by_case.setdefault((r["preset"], r["dtype"], r["dropout"]), []).append(r.get("mask_digests", {}))
+for case, digests in by_case.items():
+    if len(digests) == 2 and digests[0]:
+        differ = all(digests[0][k] != digests[1][k] for k in digests[0])
+        summary.setdefault("dp_masks_differ_across_ranks", {})[" ".join(map(str, case))] = differ
+        rows.append((f"2x1 masks {' '.join(map(str, case))}", "differ across dp ranks" if differ else "SAME on both dp ranks"))
+path = os.path.join(out, "tp_collectives.json")
+if os.path.exists(path):
+    tp = json.load(open(path))
+    summary["tp_1x2_collectives"] = tp
+    first = tp["posted"][0] if tp["posted"] else None
+    rows.append(("1x2 first collective", (f"{first['kind']} team {first['team']} {first['shapes']}" if first else "none seen")
+                 + f"; plan {tp['planned'][0]['kind']} over tp {tp['planned'][0]['shape']}: "
+                 + ("match" if tp["first_matches_plan"] else "MISMATCH")))
+for which in ("nanogpt", "gpt3"):
+    path = os.path.join(out, f"bench_{which}.json")
+    if not os.path.exists(path):
+        continue
+    b = json.load(open(path))
+    summary[f"bench_{which}"] = b
+    for name, r in b["results"].items():
+        rows.append((f"bench {which} fwd {name}", f"{r['median_ms']:.3f} ms, x{r.get('ratio_to_eager', 0):.2f} eager, "
+                     f"{r['fraction_of_matmul_rate']:.2f} of floor ({b['compute_floor_ms']:.3f} ms)"))
+json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
+width = max(len(k) for k, _ in rows) if rows else 10
+for k, v in rows:
+    print(f"{k:<{width}}  {v}")

@@ -1,0 +1,50 @@
+"""Two ranks sharing the one lent GPU (see ../shared/device/README.md).
+
+  dp: a 2x1 mesh (data parallel only) runs to the end; each rank checks its
+      output against its batch slice of the reference.      -> $OUT/dp_rank{r}.json
+  tp: a 1x2 mesh; nvFuser posts its first tp collective before NCCL refuses
+      two ranks on one GPU. Run with NVFUSER_DUMP=communication and parse the
+      log with tools/collectives.py.
+
+Run: torchrun --standalone --nproc-per-node 2 tools/two_ranks.py dp|tp
+"""
+import json
+import os
+import sys
+
+# Every rank uses GPU 0; only rank 0 serves nvFuser's store.
+os.environ["LOCAL_RANK"] = "0"
+os.environ["LOCAL_WORLD_SIZE"] = "1"
+os.environ["NVFUSER_MASTER_ADDR"] = "localhost" if os.environ.get("RANK", "0") == "0" else "127.0.0.1"
+os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
+
+import torch  # noqa: E402
+
+from tpfuser.check import check_forward  # noqa: E402
+from tpfuser.config import Layout, preset  # noqa: E402
+
+mode = sys.argv[1]
+rank = int(os.environ["RANK"])
+torch.cuda.set_device(0)
+out_dir = os.environ.get("OUT", ".")
+if mode == "dp":
+    results = []
+    for name, dtype, p in [("tiny", "fp32", 0.1), ("tiny", "bf16", 0.1), ("nanogpt", "fp32", 0.0),
+                           ("nanogpt", "fp32", 0.1), ("nanogpt", "bf16", 0.1)]:
+        try:
+            r = check_forward(preset(name, dtype=dtype, dropout=p), Layout(2, 1), rank, name).as_dict()
+        except Exception as e:  # report, and go on with the next case
+            r = {"preset": name, "dtype": dtype, "dropout": p, "mesh": "2x1", "rank": rank, "ok": False,
+                 "error": str(e).splitlines()[0][:300]}
+        print(f"rank {rank}: {r}", flush=True)
+        results.append(r)
+    with open(os.path.join(out_dir, f"dp_rank{rank}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+elif mode == "tp":
+    try:
+        check_forward(preset("tiny", dtype="fp32", dropout=0.0), Layout(1, 2), rank, "tiny")
+        print(f"rank {rank}: tp run finished (unexpected on one GPU)", flush=True)
+    except Exception as e:
+        print(f"rank {rank}: stopped as expected: {str(e).splitlines()[0][:200]}", flush=True)
+sys.stdout.flush()
+os._exit(0)  # skip nvFuser's multi-device teardown (see ../shared/device/README.md)

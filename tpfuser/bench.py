@@ -1,0 +1,161 @@
+"""Benchmark of the block forward: nvFuser against eager PyTorch and
+torch.compile, in one process, interleaved, CUDA-event timed, with the
+compute floor (matmul FLOPs over the bf16 matmul rate measured in the same
+run, at the block's own GEMM shapes).
+
+    python -m tpfuser.bench --preset nanogpt --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from tpfuser.config import Layout, preset
+from tpfuser.plan import forward_flops
+from tpfuser.reference import Block, gelu_tanh, make_block, make_input
+
+IMPLS = ("nvfuser", "nvfuser-nomesh", "eager", "compile")
+# Each timing sample is this many back-to-back calls (throughput, as a
+# training loop sees it); samples of the implementations are interleaved.
+CALLS_PER_SAMPLE = 10
+
+
+def eager_forward(block: Block, x: torch.Tensor, p: float) -> torch.Tensor:
+    """nanoGPT's training forward (dropout on), as a user would run it."""
+    b, s, e = x.shape
+    h = block.cfg.n_head
+    q, k, v = block.attn.c_attn(block.ln_1(x)).split(e, dim=2)
+    q, k, v = (t.view(b, s, h, e // h).transpose(1, 2) for t in (q, k, v))  # (b, h, s, d)
+    y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True).transpose(1, 2).reshape(b, s, e)
+    x = x + F.dropout(block.attn.c_proj(y), p)
+    return x + F.dropout(block.mlp.c_proj(gelu_tanh(block.mlp.c_fc(block.ln_2(x)))), p)
+
+
+def _time(fn, start, end, calls: int = 1) -> float:
+    """ms per call over `calls` back-to-back calls."""
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def matmul_rate(cfg, reps: int = 50) -> float:
+    """bf16 FLOP/s of the block's four GEMMs at their own shapes (b*s rows)."""
+    m, e = cfg.batch * cfg.seq, cfg.n_embd
+    shapes = [(m, e, 3 * e), (m, e, e), (m, e, 4 * e), (m, 4 * e, e)]
+    mats = [(torch.randn(mm, k, device="cuda", dtype=torch.bfloat16),
+             torch.randn(n, k, device="cuda", dtype=torch.bfloat16)) for mm, k, n in shapes]
+    flops = sum(2 * mm * k * n for mm, k, n in shapes)
+
+    def run():
+        for a, w in mats:
+            F.linear(a, w)
+    for _ in range(5):
+        run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = [_time(run, start, end) for _ in range(reps)]
+    return flops / (statistics.median(times) * 1e-3)
+
+
+def bench(preset_name: str = "nanogpt", impls=IMPLS, iters: int = 100, warmup: int = 20, dropout=None,
+          progress: bool = True) -> dict:
+    overrides = {"dtype": "bf16"} | ({} if dropout is None else {"dropout": dropout})
+    cfg = preset(preset_name, **overrides)
+    for impl in impls:
+        if impl not in IMPLS:
+            raise ValueError(f"implementation {impl!r}: must be one of {IMPLS} on one GPU "
+                             f"(dtensor needs several GPUs: see the multi-GPU issue)")
+    if not torch.cuda.is_available():
+        raise RuntimeError("benchmarking needs a CUDA GPU")
+    ref = make_block(cfg, dtype=torch.bfloat16, device="cuda")
+    x = make_input(cfg, dtype=torch.bfloat16, device="cuda")
+    fns = {}
+    if "nvfuser" in impls:
+        from tpfuser.runtime import ShardedBlock
+        nv = ShardedBlock(cfg, Layout(1, 1)).load(ref.state_dict())
+        step = iter(range(1 << 30))
+        fns["nvfuser"] = lambda: nv(x, 1234, next(step) % 100_000)["out"]
+    if "nvfuser-nomesh" in impls:
+        from tpfuser.runtime import ShardedBlock
+        nv1 = ShardedBlock(cfg, Layout(1, 1), mesh=False).load(ref.state_dict())
+        step1 = iter(range(1 << 30))
+        fns["nvfuser-nomesh"] = lambda: nv1(x, 1234, next(step1) % 100_000)["out"]
+    with torch.no_grad():
+        if "eager" in impls:
+            fns["eager"] = lambda: eager_forward(ref, x, cfg.dropout)
+        if "compile" in impls:
+            compiled = torch.compile(eager_forward)
+            fns["compile"] = lambda: compiled(ref, x, cfg.dropout)
+        for name, fn in fns.items():
+            for _ in range(warmup):
+                fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = {name: [] for name in fns}
+        t0 = time.time()
+        for i in range(iters):  # interleaved: every implementation once per round
+            for name, fn in fns.items():
+                times[name].append(_time(fn, start, end, CALLS_PER_SAMPLE))
+            if progress and (i + 1) % max(1, iters // 10) == 0:
+                print(f"\r  {i + 1}/{iters} rounds ({time.time() - t0:.0f} s)", end="", file=sys.stderr, flush=True)
+        if progress:
+            print(file=sys.stderr)
+    rate = matmul_rate(cfg)
+    flops = forward_flops(cfg)["total"]
+    floor_ms = flops / rate * 1e3
+    rows = {}
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        rows[name] = {"median_ms": med, "min_ms": min(ts), "max_ms": max(ts), "runs": len(ts),
+                      "tflops": flops / (med * 1e-3) / 1e12, "fraction_of_matmul_rate": floor_ms / med}
+    if "eager" in rows:
+        for r in rows.values():
+            r["ratio_to_eager"] = r["median_ms"] / rows["eager"]["median_ms"]
+    return {"preset": preset_name, "config": cfg.__dict__, "pass": "forward", "mesh": "1x1",
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "timing": f"CUDA events over {CALLS_PER_SAMPLE} back-to-back calls per sample, {iters} interleaved samples each",
+            "matmul_tflops_measured": rate / 1e12, "forward_matmul_gflop": flops / 1e9,
+            "compute_floor_ms": floor_ms, "results": rows}
+
+
+def format_table(rep: dict) -> str:
+    lines = [f"{rep['preset']} {rep['pass']} on {rep['gpu']} (mesh {rep['mesh']}): "
+             f"floor {rep['compute_floor_ms']:.3f} ms at {rep['matmul_tflops_measured']:.0f} TFLOP/s measured",
+             f"{'impl':<10}{'median ms':>10}{'min':>8}{'max':>8}{'TFLOP/s':>9}{'of floor':>9}{'vs eager':>9}"]
+    for name, r in rep["results"].items():
+        lines.append(f"{name:<10}{r['median_ms']:>10.3f}{r['min_ms']:>8.3f}{r['max_ms']:>8.3f}{r['tflops']:>9.0f}"
+                     f"{r['fraction_of_matmul_rate']:>9.2f}{r.get('ratio_to_eager', float('nan')):>9.2f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="tpfuser-bench")
+    ap.add_argument("--preset", default="nanogpt")
+    ap.add_argument("--impl", default=",".join(IMPLS))
+    ap.add_argument("--iters", type=int, default=100, help="samples per implementation")
+    ap.add_argument("--dropout", type=float, default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    try:
+        rep = bench(args.preset, tuple(args.impl.split(",")), args.iters, dropout=args.dropout)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rep, f, indent=1)
+    print(format_table(rep))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
