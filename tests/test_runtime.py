@@ -113,3 +113,11 @@ def test_rank_rng_offset_limits():
         rank_rng_offset(-1, 1, 0)
     with pytest.raises(ValueError, match=r"rng_offset=1000000000: must be below 357913941 for dp=2"):
         rank_rng_offset(10 ** 9, 2, 1)
+
+
+def test_bench_refuses_what_this_machine_cannot_run(capsys):
+    assert main(["bench", "--impl", "dtensor"]) == 2
+    assert "implementation 'dtensor': must be one of" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench", "--impl", "eager"]) == 2
+        assert "benchmarking needs a CUDA GPU" in capsys.readouterr().err

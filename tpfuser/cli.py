@@ -3,6 +3,7 @@
   tpfuser show  [--preset P] [--dtype D] [--dp N --tp N]   print the fusion (no GPU)
   tpfuser plan  [--preset P] [--dp N --tp N] [--json F]    shardings, collectives, FLOPs (no GPU)
   tpfuser check [--preset P] [--dtype D] [--dp N --tp N]   fusion vs reference on GPUs
+  tpfuser bench [--preset P] [--impl a,b] [--json F]        nvFuser vs eager vs torch.compile (1 GPU)
   tpfuser main                                              check if GPUs exist, else show + plan
 """
 
@@ -90,6 +91,10 @@ def cmd_main(args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from tpfuser.bench import main as bench_main
+        return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="tpfuser", description="Megatron-style sharded GPT block in nvFuser")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn, hlp in (("show", cmd_show, "print the fusion definition"),
@@ -101,6 +106,8 @@ def main(argv=None) -> int:
         if name == "plan":
             p.add_argument("--json", default=None, help="also write the plan as JSON here")
         p.set_defaults(fn=fn)
+    # Listed for --help only: `bench` is dispatched above, with its own options.
+    sub.add_parser("bench", help="benchmark on one GPU (see: tpfuser bench --help)")
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
