@@ -140,3 +140,21 @@ def world() -> tuple[int, int]:
     """(rank, size) as nvFuser's Communicator sees them (torchrun or mpirun)."""
     comm = communicator()
     return comm.rank(), comm.size()
+
+
+def gather_output(local: torch.Tensor, layout: Layout, name: str = "out", group=None) -> torch.Tensor:
+    """Every rank's shard of an output, reassembled into the global tensor on
+    every rank (for checking; it moves the whole tensor). Uses torch.distributed
+    (any backend; the shards travel through the CPU), which the caller
+    initializes; with a world of one it returns the local tensor."""
+    import torch.distributed as dist
+    from tpfuser.shard import gather
+    if layout.world_size == 1:
+        return local
+    if not dist.is_initialized():
+        raise RuntimeError("gather_output needs torch.distributed initialized (e.g. init_process_group('gloo'))")
+    if dist.get_world_size(group) != layout.world_size:
+        raise ValueError(f"world size {dist.get_world_size(group)} != dp*tp = {layout.world_size}")
+    shards: list = [None] * layout.world_size
+    dist.all_gather_object(shards, local.detach().cpu(), group=group)
+    return gather(shards, ACTIVATION_PLACEMENTS[name], layout)
