@@ -217,11 +217,7 @@ def build_forward(cfg: BlockConfig, layout: Layout | None = None, check: bool = 
 
 def fusion_text(ff: ForwardFusion) -> str:
     """The fusion's math, as nvFuser prints it (no GPU needed)."""
-    return ff.fd.fusion.print_math(False) if _takes_arg(ff.fd.fusion.print_math) else ff.fd.fusion.print_math()
-
-
-def _takes_arg(fn) -> bool:
-    return "from_outputs_only" in (fn.__doc__ or "")
+    return ff.fd.fusion.print_math()
 
 
 def communicator():
