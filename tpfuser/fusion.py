@@ -68,16 +68,27 @@ class ForwardFusion:
     has_rng: bool = False                          # takes (rng_seed, rng_offset) after the tensors
 
 
-def _layer_norm(fd, x, weight, bias, b, s, e):
-    """x: float [b, s, e]; weight, bias: [e] of any float dtype."""
-    var, mean = fd.ops.var_mean(x, dims=[2], correction=0, keepdim=False)
-    rstd = fd.ops.rsqrt(fd.ops.add(fd.ops.broadcast_in_dim(var, shape=[b, s, 1], broadcast_dims=[0, 1]),
-                                   fd.define_scalar(LN_EPS, dtype=DataType.Double)))
-    mean = fd.ops.broadcast_in_dim(mean, shape=[b, s, 1], broadcast_dims=[0, 1])
-    normed = fd.ops.mul(fd.ops.sub(x, mean), rstd)
+def _bcast_rows(fd, t, b, s, e):
+    """[b, s] -> [b, s, e]"""
+    return fd.ops.broadcast_in_dim(t, shape=[b, s, e], broadcast_dims=[0, 1])
+
+
+def _normalize(fd, x, mean, rstd, b, s, e):
+    """(x - mean) * rstd; x float [b, s, e], mean and rstd [b, s]."""
+    return fd.ops.mul(fd.ops.sub(x, _bcast_rows(fd, mean, b, s, e)), _bcast_rows(fd, rstd, b, s, e))
+
+
+def _affine(fd, xhat, weight, bias, b, s, e):
     weight = fd.ops.broadcast_in_dim(fd.ops.cast(weight, DataType.Float), shape=[b, s, e], broadcast_dims=[2])
     bias = fd.ops.broadcast_in_dim(fd.ops.cast(bias, DataType.Float), shape=[b, s, e], broadcast_dims=[2])
-    return fd.ops.add(fd.ops.mul(normed, weight), bias)
+    return fd.ops.add(fd.ops.mul(xhat, weight), bias)
+
+
+def _layer_norm(fd, x, weight, bias, b, s, e):
+    """x: float [b, s, e]; weight, bias: [e] of any float dtype. Returns (y, mean, rstd), stats [b, s]."""
+    var, mean = fd.ops.var_mean(x, dims=[2], correction=0, keepdim=False)
+    rstd = fd.ops.rsqrt(fd.ops.add(var, fd.define_scalar(LN_EPS, dtype=DataType.Double)))
+    return _affine(fd, _normalize(fd, x, mean, rstd, b, s, e), weight, bias, b, s, e), mean, rstd
 
 
 def _gelu_tanh(fd, x):
@@ -98,9 +109,8 @@ def _dropout(fd, x, keep, p):
     return fd.ops.mul(fd.ops.mul(x, fd.ops.cast(keep, DataType.Float)), 1.0 / (1.0 - p))
 
 
-def _causal_attention(fd, q, k, v, cfg, p, rng, outputs):
-    """softmax(q k^T / sqrt(d) + causal) v, written out for dtypes flash
-    attention lacks (fp32). q, k, v: float [b, h, s, d]."""
+def _causal_probs(fd, q, k, cfg):
+    """softmax(q k^T / sqrt(d) + causal mask); q, k float [b, h, s, d] -> [b, h, s, s]."""
     b, h, s, d = cfg.batch, cfg.n_head, cfg.seq, cfg.head_dim
     scores = fd.ops.mul(fd.ops.matmul(q, fd.ops.permute(k, dims=[0, 1, 3, 2])), 1.0 / math.sqrt(d))  # (b, h, s, s)
     row = fd.ops.broadcast_in_dim(fd.ops.iota(s, dtype=DataType.Int), shape=[s, s], broadcast_dims=[0])
@@ -110,7 +120,14 @@ def _causal_attention(fd, q, k, v, cfg, p, rng, outputs):
     row_max = fd.ops.broadcast_in_dim(fd.ops.max(scores, dims=[3], keepdim=False), shape=[b, h, s, 1], broadcast_dims=[0, 1, 2])
     unnorm = fd.ops.exp(fd.ops.sub(scores, row_max))
     denom = fd.ops.broadcast_in_dim(fd.ops.sum(unnorm, dims=[3], keepdim=False), shape=[b, h, s, 1], broadcast_dims=[0, 1, 2])
-    probs = fd.ops.div(unnorm, denom)
+    return fd.ops.div(unnorm, denom)
+
+
+def _causal_attention(fd, q, k, v, cfg, p, rng, outputs):
+    """softmax(q k^T / sqrt(d) + causal) v, written out for dtypes flash
+    attention lacks (fp32). q, k, v: float [b, h, s, d]."""
+    b, h, s = cfg.batch, cfg.n_head, cfg.seq
+    probs = _causal_probs(fd, q, k, cfg)
     if p > 0:
         keep = _keep_mask(fd, [b, h, s, s], p, *rng, "attn")
         outputs["attn_keep"] = keep
@@ -118,12 +135,32 @@ def _causal_attention(fd, q, k, v, cfg, p, rng, outputs):
     return fd.ops.matmul(probs, v)  # (b, h, s, d)
 
 
-def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False) -> ForwardFusion:
+def saved_names(cfg: BlockConfig) -> list[str]:
+    """What the training forward saves for backward (plan.SAVED_PLACEMENTS has shapes' shardings).
+    Dropout masks are not saved: the backward draws them again from the same seed and offset."""
+    names = ["ln_1.mean", "ln_1.rstd", "qkv"]
+    if cfg.torch_dtype == torch.bfloat16:
+        names += ["sdpa_out", "sdpa_lse", "sdpa_seed", "sdpa_offset"]
+    return names + ["x1", "ln_2.mean", "ln_2.rstd", "mlp_h"]
+
+
+def _split_heads(fd, qkv, cfg):
+    """(b, s, 3e) with rows ordered [h, 3, d] -> q, k, v each (b, h, s, d)."""
+    b, s, h, d = cfg.batch, cfg.seq, cfg.n_head, cfg.head_dim
+    # Reshape before slicing, so that the tp split (on heads) is not sliced.
+    qkv = fd.ops.reshape(qkv, new_shape=[b, s, h, 3 * d])  # (b, s, h, 3d)
+    return tuple(fd.ops.permute(fd.ops.slice(qkv, start_indices=[0, 0, 0, i * d], end_indices=[b, s, h, (i + 1) * d]),
+                                dims=[0, 2, 1, 3])          # (b, h, s, d)
+                 for i in range(3))
+
+
+def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, train: bool = False) -> ForwardFusion:
     """Define the block forward on global shapes inside `fd` (not yet sharded).
 
     Inputs: x [b, s, e], then the parameters in PARAM_NAMES order, then, when
     cfg.dropout > 0, the scalars rng_seed and rng_offset. Outputs: out [b, s, e];
-    with check=True also the keep-masks of every dropout drawn in the fusion.
+    with check=True also the keep-masks of every dropout drawn in the fusion;
+    with train=True also what the backward needs (saved_names).
     """
     b, s, e, h, d = cfg.batch, cfg.seq, cfg.n_embd, cfg.n_head, cfg.head_dim
     dtype, p = _NV_DTYPE[cfg.torch_dtype], cfg.dropout
@@ -135,21 +172,20 @@ def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False) 
         ff.inputs[name] = fd.define_tensor(shape=list(shapes[name]), contiguity=True, dtype=dtype)
     w = ff.inputs
     rng = (fd.define_scalar(dtype=DataType.Int), fd.define_scalar(dtype=DataType.Int)) if p > 0 else None
-    masks = {}
+    masks, saved = {}, {}
 
     x = fd.ops.cast(w["x"], DataType.Float)
-    ln_1 = fd.ops.cast(_layer_norm(fd, x, w["ln_1.weight"], w["ln_1.bias"], b, s, e), dtype)
-    qkv = fd.ops.linear(ln_1, w["attn.c_attn.weight"], w["attn.c_attn.bias"])  # (b, s, 3e), heads outermost
-    qkv = fd.ops.reshape(qkv, new_shape=[b, s, h, 3 * d])                      # (b, s, h, 3d)
-    q, k, v = (fd.ops.permute(fd.ops.slice(qkv, start_indices=[0, 0, 0, i * d], end_indices=[b, s, h, (i + 1) * d]),
-                              dims=[0, 2, 1, 3])                               # (b, h, s, d)
-               for i in range(3))
+    ln_1, saved["ln_1.mean"], saved["ln_1.rstd"] = _layer_norm(fd, x, w["ln_1.weight"], w["ln_1.bias"], b, s, e)
+    ln_1 = fd.ops.cast(ln_1, dtype)
+    qkv = saved["qkv"] = fd.ops.linear(ln_1, w["attn.c_attn.weight"], w["attn.c_attn.bias"])  # (b, s, 3e), heads outermost
+    q, k, v = _split_heads(fd, qkv, cfg)
     if cfg.torch_dtype == torch.bfloat16:
         # Flash attention; its dropout on the probabilities draws from ATen's
         # CUDA generator (replayable with torch.cuda.get/set_rng_state).
-        y, _lse, _seed, _offset = fd.ops.sdpfa_fwd(
+        y, saved["sdpa_lse"], saved["sdpa_seed"], saved["sdpa_offset"] = fd.ops.sdpfa_fwd(
             q, k, v, dropout_p=fd.define_scalar(p, dtype=DataType.Double),
             is_causal=fd.define_scalar(True, dtype=DataType.Bool), scale=None)
+        saved["sdpa_out"] = y
     else:
         y = _causal_attention(fd, q, k, v, cfg, p, rng, masks)
     y = fd.ops.reshape(fd.ops.permute(y, dims=[0, 2, 1, 3]), new_shape=[b, s, e])  # (b, s, e)
@@ -160,10 +196,11 @@ def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False) 
     if p > 0:
         masks["resid_attn_keep"] = _keep_mask(fd, [b, s, e], p, *rng, "resid_attn")
         attn_out = _dropout(fd, attn_out, masks["resid_attn_keep"], p)
-    x = fd.ops.add(x, attn_out)
+    x = saved["x1"] = fd.ops.add(x, attn_out)
 
-    ln_2 = fd.ops.cast(_layer_norm(fd, x, w["ln_2.weight"], w["ln_2.bias"], b, s, e), dtype)
-    mlp_hidden = fd.ops.linear(ln_2, w["mlp.c_fc.weight"], w["mlp.c_fc.bias"])  # (b, s, 4e)
+    ln_2, saved["ln_2.mean"], saved["ln_2.rstd"] = _layer_norm(fd, x, w["ln_2.weight"], w["ln_2.bias"], b, s, e)
+    ln_2 = fd.ops.cast(ln_2, dtype)
+    mlp_hidden = saved["mlp_h"] = fd.ops.linear(ln_2, w["mlp.c_fc.weight"], w["mlp.c_fc.bias"])  # (b, s, 4e)
     mlp_hidden = fd.ops.cast(_gelu_tanh(fd, fd.ops.cast(mlp_hidden, DataType.Float)), dtype)
     mlp_out = fd.ops.add(fd.ops.cast(fd.ops.linear(mlp_hidden, w["mlp.c_proj.weight"]), DataType.Float),
                          fd.ops.cast(w["mlp.c_proj.bias"], DataType.Float))
@@ -177,6 +214,9 @@ def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False) 
         for name in ("attn_keep", "resid_attn_keep", "resid_mlp_keep"):
             if name in masks:
                 ff.outputs[name] = masks[name]
+    if train:
+        for name in saved_names(cfg):
+            ff.outputs[name] = saved[name]
     for tv in ff.outputs.values():
         fd.add_output(tv)
     return ff
@@ -205,10 +245,11 @@ def schedule(ff: ForwardFusion, layout: Layout) -> None:
         _apply_placement(tv, PLACEMENTS[name], layout)
 
 
-def build_forward(cfg: BlockConfig, layout: Layout | None = None, check: bool = False) -> ForwardFusion:
+def build_forward(cfg: BlockConfig, layout: Layout | None = None, check: bool = False,
+                  train: bool = False) -> ForwardFusion:
     """Define the forward and, when a layout is given, shard it on its mesh."""
     with FusionDefinition() as fd:
-        ff = define_forward(fd, cfg, check)
+        ff = define_forward(fd, cfg, check, train)
         if layout is not None:
             layout.check(cfg)
             schedule(ff, layout)
@@ -230,6 +271,8 @@ def loop_sharding(tv) -> tuple[str, list[tuple[str, int]]]:
     read from its IterDomains: 'mesh_x' / 'mesh_y' for device-parallel axes, '' otherwise."""
     axes = []
     for axis in tv.get_loop_domain():
+        if axis.is_reduction():   # e.g. the reduced axis of a LayerNorm's mean
+            continue
         text = str(axis)  # e.g. 'ideviceIdx.y388{2}' or 'iS389{2}'
         extent = int(text[text.rindex("{") + 1:text.rindex("}")])
         kind = "mesh_x" if "deviceIdx.x" in text else "mesh_y" if "deviceIdx.y" in text else ""
@@ -237,3 +280,184 @@ def loop_sharding(tv) -> tuple[str, list[tuple[str, int]]]:
     text = str(tv)
     mesh = text[text.index("DeviceMesh"):text.rindex(")")] if "DeviceMesh" in text else ""
     return mesh, axes
+
+
+
+# ---------------------------------------------------------------------------
+# Backward
+
+_SAVED_DTYPE = {"ln_1.mean": "f", "ln_1.rstd": "f", "sdpa_lse": "f", "x1": "f", "ln_2.mean": "f", "ln_2.rstd": "f",
+                "sdpa_seed": "u64", "sdpa_offset": "u64"}  # the rest: the block's dtype
+
+
+def saved_shapes(cfg: BlockConfig) -> dict[str, list[int]]:
+    b, s, e, h, d = cfg.batch, cfg.seq, cfg.n_embd, cfg.n_head, cfg.head_dim
+    shapes = {"ln_1.mean": [b, s], "ln_1.rstd": [b, s], "qkv": [b, s, 3 * e], "sdpa_out": [b, h, s, d],
+              "sdpa_lse": [b, h, s], "sdpa_seed": [2], "sdpa_offset": [], "x1": [b, s, e],
+              "ln_2.mean": [b, s], "ln_2.rstd": [b, s], "mlp_h": [b, s, 4 * e]}
+    return {name: shapes[name] for name in saved_names(cfg)}
+
+
+@dataclass
+class BackwardFusion:
+    fd: FusionDefinition
+    cfg: BlockConfig
+    inputs: dict = field(default_factory=dict)    # grad_out, x, params, saved
+    outputs: dict = field(default_factory=dict)   # grad_x, then grad.<param> in PARAM_NAMES order
+    has_rng: bool = False
+
+
+def _gelu_tanh_grad(fd, x):
+    """d/dx of 0.5 x (1 + tanh(k (x + c x^3)))."""
+    k, c = math.sqrt(2.0 / math.pi), 0.044715
+    x2 = fd.ops.mul(x, x)
+    t = fd.ops.tanh(fd.ops.mul(fd.ops.add(x, fd.ops.mul(fd.ops.mul(x2, x), c)), k))
+    dinner = fd.ops.mul(fd.ops.add(fd.ops.mul(x2, 3 * c), 1.0), k)
+    sech2 = fd.ops.sub(fd.define_scalar(1.0, dtype=DataType.Double), fd.ops.mul(t, t))
+    return fd.ops.add(fd.ops.mul(fd.ops.add(t, 1.0), 0.5), fd.ops.mul(fd.ops.mul(fd.ops.mul(x, 0.5), sech2), dinner))
+
+
+def _sum_rows(fd, t):
+    """Sum over batch and sequence: [b, s, n] -> [n] (over dp this is a cross-rank sum)."""
+    return fd.ops.sum(t, dims=[0, 1], keepdim=False, dtype=DataType.Null)
+
+
+def _weight_grad(fd, g, a, b, s):
+    """dL/dW of y = a W^T: g^T a over all rows; g [b, s, n_out], a [b, s, n_in] -> [n_out, n_in]."""
+    g2 = fd.ops.reshape(g, new_shape=[b * s, g.shape()[2]])   # (bs, n_out)
+    a2 = fd.ops.reshape(a, new_shape=[b * s, a.shape()[2]])   # (bs, n_in)
+    return fd.ops.matmul(fd.ops.permute(g2, dims=[1, 0]), a2)
+
+
+def _input_grad(fd, g, w, b, s):
+    """dL/da of y = a W^T: g W; g [b, s, n_out], w [n_out, n_in] -> [b, s, n_in]."""
+    g2 = fd.ops.reshape(g, new_shape=[b * s, g.shape()[2]])
+    return fd.ops.reshape(fd.ops.matmul(g2, w), new_shape=[b, s, w.shape()[1]])
+
+
+def _layer_norm_backward(fd, g, xhat, rstd, weight, b, s, e):
+    """g: float [b, s, e], the gradient of the LayerNorm's output; xhat its normalized
+    input. Returns (grad of the input, of the weight, of the bias), float."""
+    grad_weight, grad_bias = _sum_rows(fd, fd.ops.mul(g, xhat)), _sum_rows(fd, g)
+    gxhat = fd.ops.mul(g, fd.ops.broadcast_in_dim(fd.ops.cast(weight, DataType.Float), shape=[b, s, e],
+                                                   broadcast_dims=[2]))
+    mean_g = fd.ops.mul(fd.ops.sum(gxhat, dims=[2], keepdim=False, dtype=DataType.Null), 1.0 / e)
+    mean_gx = fd.ops.mul(fd.ops.sum(fd.ops.mul(gxhat, xhat), dims=[2], keepdim=False, dtype=DataType.Null), 1.0 / e)
+    centered = fd.ops.sub(fd.ops.sub(gxhat, _bcast_rows(fd, mean_g, b, s, e)),
+                          fd.ops.mul(xhat, _bcast_rows(fd, mean_gx, b, s, e)))
+    return fd.ops.mul(centered, _bcast_rows(fd, rstd, b, s, e)), grad_weight, grad_bias
+
+
+def _causal_attention_backward(fd, gy, q, k, v, cfg, p, rng):
+    """Gradients of q, k, v (float [b, h, s, d]) of the written-out attention,
+    recomputing the probabilities and drawing the dropout mask again."""
+    b, h, s, d = cfg.batch, cfg.n_head, cfg.seq, cfg.head_dim
+    probs = _causal_probs(fd, q, k, cfg)                                      # (b, h, s, s)
+    dropped = probs
+    if p > 0:
+        keep = _keep_mask(fd, [b, h, s, s], p, *rng, "attn")
+        dropped = _dropout(fd, probs, keep, p)
+    grad_v = fd.ops.matmul(fd.ops.permute(dropped, dims=[0, 1, 3, 2]), gy)    # (b, h, s, d)
+    grad_dropped = fd.ops.matmul(gy, fd.ops.permute(v, dims=[0, 1, 3, 2]))   # (b, h, s, s)
+    grad_probs = _dropout(fd, grad_dropped, keep, p) if p > 0 else grad_dropped
+    row_dot = fd.ops.broadcast_in_dim(fd.ops.sum(fd.ops.mul(grad_probs, probs), dims=[3], keepdim=False,
+                                                 dtype=DataType.Null), shape=[b, h, s, 1], broadcast_dims=[0, 1, 2])
+    grad_scores = fd.ops.mul(fd.ops.mul(probs, fd.ops.sub(grad_probs, row_dot)), 1.0 / math.sqrt(d))
+    grad_q = fd.ops.matmul(grad_scores, k)
+    grad_k = fd.ops.matmul(fd.ops.permute(grad_scores, dims=[0, 1, 3, 2]), q)
+    return grad_q, grad_k, grad_v
+
+
+def define_backward(fd: FusionDefinition, cfg: BlockConfig) -> BackwardFusion:
+    """The block's backward on global shapes.
+
+    Inputs: grad_out [b, s, e], x, the parameters (PARAM_NAMES order), the saved
+    tensors (saved_names order), then rng_seed and rng_offset when dropout > 0:
+    the residual (and fp32 attention) masks are drawn again from them; flash
+    attention's own dropout is replayed by sdpfa_bwd from its saved philox state.
+    Outputs: grad_x, then the gradient of every parameter in PARAM_NAMES order.
+    """
+    b, s, e, h, d = cfg.batch, cfg.seq, cfg.n_embd, cfg.n_head, cfg.head_dim
+    dtype, p = _NV_DTYPE[cfg.torch_dtype], cfg.dropout
+    bf = BackwardFusion(fd, cfg, has_rng=p > 0)
+    nv = {"f": DataType.Float, "u64": DataType.UInt64}
+    bf.inputs["grad_out"] = fd.define_tensor(shape=[b, s, e], contiguity=True, dtype=dtype)
+    bf.inputs["x"] = fd.define_tensor(shape=[b, s, e], contiguity=True, dtype=dtype)
+    for name, shape in param_shapes(cfg).items():
+        bf.inputs[name] = fd.define_tensor(shape=list(shape), contiguity=True, dtype=dtype)
+    for name, shape in saved_shapes(cfg).items():
+        bf.inputs[name] = fd.define_tensor(shape=shape, contiguity=True,
+                                           dtype=nv[_SAVED_DTYPE[name]] if name in _SAVED_DTYPE else dtype)
+    w = bf.inputs
+    rng = (fd.define_scalar(dtype=DataType.Int), fd.define_scalar(dtype=DataType.Int)) if p > 0 else None
+    grads = {}
+
+    g = fd.ops.cast(w["grad_out"], DataType.Float)
+    # MLP branch: out = x1 + dropout(gelu(ln_2(x1) W_fc^T + b_fc) W_proj^T + b_proj)
+    g_mlp = _dropout(fd, g, _keep_mask(fd, [b, s, e], p, *rng, "resid_mlp"), p) if p > 0 else g
+    grads["mlp.c_proj.bias"] = _sum_rows(fd, g_mlp)
+    h_pre = fd.ops.cast(w["mlp_h"], DataType.Float)                        # (b, s, 4e)
+    g_mlp = fd.ops.cast(g_mlp, dtype)
+    grads["mlp.c_proj.weight"] = _weight_grad(fd, g_mlp, fd.ops.cast(_gelu_tanh(fd, h_pre), dtype), b, s)
+    g_h = fd.ops.mul(fd.ops.cast(_input_grad(fd, g_mlp, w["mlp.c_proj.weight"], b, s), DataType.Float),
+                     _gelu_tanh_grad(fd, h_pre))                             # (b, s, 4e)
+    grads["mlp.c_fc.bias"] = _sum_rows(fd, g_h)
+    xhat_2 = _normalize(fd, w["x1"], w["ln_2.mean"], w["ln_2.rstd"], b, s, e)
+    ln_2 = fd.ops.cast(_affine(fd, xhat_2, w["ln_2.weight"], w["ln_2.bias"], b, s, e), dtype)
+    g_h = fd.ops.cast(g_h, dtype)
+    grads["mlp.c_fc.weight"] = _weight_grad(fd, g_h, ln_2, b, s)
+    # Column-parallel fc: its input gradient is a partial sum over tp (all-reduced).
+    g_ln_2 = fd.ops.cast(_input_grad(fd, g_h, w["mlp.c_fc.weight"], b, s), DataType.Float)
+    g_x1, grads["ln_2.weight"], grads["ln_2.bias"] = _layer_norm_backward(
+        fd, g_ln_2, xhat_2, w["ln_2.rstd"], w["ln_2.weight"], b, s, e)
+    g_x1 = fd.ops.add(g, g_x1)                                              # (b, s, e)
+
+    # Attention branch: x1 = x + dropout(attn(ln_1(x)) W_proj^T + b_proj)
+    g_attn = _dropout(fd, g_x1, _keep_mask(fd, [b, s, e], p, *rng, "resid_attn"), p) if p > 0 else g_x1
+    grads["attn.c_proj.bias"] = _sum_rows(fd, g_attn)
+    q, k, v = _split_heads(fd, w["qkv"], cfg)                              # (b, h, s, d)
+    g_attn = fd.ops.cast(g_attn, dtype)
+    if cfg.torch_dtype == torch.bfloat16:
+        y = w["sdpa_out"]
+    else:
+        y = _causal_attention(fd, q, k, v, cfg, p, rng, {})
+    y_bse = fd.ops.reshape(fd.ops.permute(y, dims=[0, 2, 1, 3]), new_shape=[b, s, e])
+    grads["attn.c_proj.weight"] = _weight_grad(fd, g_attn, y_bse, b, s)
+    g_y = _input_grad(fd, g_attn, w["attn.c_proj.weight"], b, s)          # (b, s, e), heads over tp
+    g_y = fd.ops.permute(fd.ops.reshape(g_y, new_shape=[b, s, h, d]), dims=[0, 2, 1, 3])  # (b, h, s, d)
+    if cfg.torch_dtype == torch.bfloat16:
+        g_q, g_k, g_v = fd.ops.sdpfa_bwd(
+            g_y, q, k, v, w["sdpa_out"], w["sdpa_lse"], fd.define_scalar(p, dtype=DataType.Double),
+            fd.define_scalar(True, dtype=DataType.Bool), w["sdpa_seed"], w["sdpa_offset"], None)
+    else:
+        g_q, g_k, g_v = _causal_attention_backward(fd, g_y, q, k, v, cfg, p, rng)
+    # Back to the fusion's qkv row order, [h, 3, d]: cat before the reshape,
+    # so that the concatenation is not along the tp-split dimension.
+    g_qkv = fd.ops.cat([fd.ops.permute(t, dims=[0, 2, 1, 3]) for t in (g_q, g_k, g_v)], dim=3, manual_padding=0)
+    g_qkv = fd.ops.reshape(g_qkv, new_shape=[b, s, 3 * e])                 # (b, s, 3e)
+    grads["attn.c_attn.bias"] = _sum_rows(fd, fd.ops.cast(g_qkv, DataType.Float))
+    x = fd.ops.cast(w["x"], DataType.Float)
+    xhat_1 = _normalize(fd, x, w["ln_1.mean"], w["ln_1.rstd"], b, s, e)
+    ln_1 = fd.ops.cast(_affine(fd, xhat_1, w["ln_1.weight"], w["ln_1.bias"], b, s, e), dtype)
+    g_qkv = fd.ops.cast(g_qkv, dtype)
+    grads["attn.c_attn.weight"] = _weight_grad(fd, g_qkv, ln_1, b, s)
+    g_ln_1 = fd.ops.cast(_input_grad(fd, g_qkv, w["attn.c_attn.weight"], b, s), DataType.Float)
+    g_x, grads["ln_1.weight"], grads["ln_1.bias"] = _layer_norm_backward(
+        fd, g_ln_1, xhat_1, w["ln_1.rstd"], w["ln_1.weight"], b, s, e)
+
+    bf.outputs["grad_x"] = fd.ops.cast(fd.ops.add(g_x1, g_x), dtype)
+    for name in PARAM_NAMES:
+        bf.outputs[f"grad.{name}"] = fd.ops.cast(grads[name], dtype)
+    for tv in bf.outputs.values():
+        fd.add_output(tv)
+    return bf
+
+
+def build_backward(cfg: BlockConfig, layout: Layout | None = None) -> BackwardFusion:
+    """Define the backward and, when a layout is given, shard it on its mesh."""
+    with FusionDefinition() as fd:
+        bf = define_backward(fd, cfg)
+        if layout is not None:
+            layout.check(cfg)
+            schedule(bf, layout)
+    return bf

@@ -42,7 +42,31 @@ ACTIVATION_PLACEMENTS: dict[str, Placement] = {
     "attn_keep": {0: DP, 1: TP},       # [b, h, s, s], heads split over tp
 }
 
-PLACEMENTS: dict[str, Placement] = {**PARAM_PLACEMENTS, **ACTIVATION_PLACEMENTS}
+# What the training forward saves for backward (fusion.saved_names). Inside
+# attention and the MLP the tp layout is the forward's: heads, or the 4e hidden.
+SAVED_PLACEMENTS: dict[str, Placement] = {
+    "ln_1.mean": {0: DP}, "ln_1.rstd": {0: DP},        # [b, s] float
+    "qkv": {0: DP, 2: TP},                              # [b, s, 3e], heads over tp
+    "sdpa_out": {0: DP, 1: TP},                         # [b, h, s, d] (bf16 only)
+    "sdpa_lse": {0: DP, 1: TP},                         # [b, h, s] float
+    "sdpa_seed": {}, "sdpa_offset": {},                 # flash attention's philox state, per rank
+    "x1": {0: DP},                                      # [b, s, e] float: the residual after attention
+    "ln_2.mean": {0: DP}, "ln_2.rstd": {0: DP},
+    "mlp_h": {0: DP, 2: TP},                            # [b, s, 4e] before GELU, 4e over tp
+}
+
+# Backward: the upstream gradient and the input gradient are laid out like the
+# output and the input; every parameter gradient like its parameter. Parameter
+# gradients are replicated over dp, so nvFuser all-reduces them over dp inside
+# the backward fusion; the input gradient's tp partial sums (from the two
+# column-parallel linears) are all-reduced over tp, where Megatron reduces them.
+GRAD_PLACEMENTS: dict[str, Placement] = {
+    "grad_out": {0: DP}, "grad_x": {0: DP},
+    **{f"grad.{name}": placement for name, placement in PARAM_PLACEMENTS.items()},
+}
+
+PLACEMENTS: dict[str, Placement] = {**PARAM_PLACEMENTS, **ACTIVATION_PLACEMENTS, **SAVED_PLACEMENTS,
+                                    **GRAD_PLACEMENTS}
 
 
 def local_shape(shape: tuple[int, ...], placement: Placement, layout: Layout) -> tuple[int, ...]:

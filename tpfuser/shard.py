@@ -132,3 +132,86 @@ def simulate_tp_forward(x: torch.Tensor, state: dict[str, torch.Tensor], cfg: Bl
     x = x + sum(_rank_attention(ln_1, w, cfg, tp) for w in ranks) + w0["attn.c_proj.bias"]
     ln_2 = _layer_norm(x, w0["ln_2.weight"], w0["ln_2.bias"])
     return x + sum(_rank_mlp(ln_2, w) for w in ranks) + w0["mlp.c_proj.bias"]
+
+
+def _gelu_tanh_grad(x):
+    k, c = math.sqrt(2.0 / math.pi), 0.044715
+    t = torch.tanh(k * (x + c * x ** 3))
+    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * k * (1 + 3 * c * x * x)
+
+
+def _layer_norm_backward(g, x, weight):
+    mean = x.mean(-1, keepdim=True)
+    rstd = 1 / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + LN_EPS)
+    xhat = (x - mean) * rstd
+    gxhat = g * weight
+    gx = rstd * (gxhat - gxhat.mean(-1, keepdim=True) - xhat * (gxhat * xhat).mean(-1, keepdim=True))
+    return gx, (g * xhat).sum((0, 1)), g.sum((0, 1))
+
+
+def _rank_attention_backward(g_attn, ln_1, w, cfg: BlockConfig, tp: int):
+    """This rank's grads of c_attn (its rows), c_proj (its columns), and its
+    partial gradient of ln_1's output (to be summed over tp)."""
+    b, s, _ = ln_1.shape
+    h_local, d = cfg.n_head // tp, cfg.head_dim
+    qkv = (ln_1 @ w["attn.c_attn.weight"].T + w["attn.c_attn.bias"]).view(b, s, h_local, 3, d)
+    q, k, v = (qkv[..., i, :].transpose(1, 2) for i in range(3))            # (b, h/tp, s, d)
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    probs = torch.softmax((q @ k.transpose(-2, -1) / math.sqrt(d)).masked_fill(~causal, float("-inf")), -1)
+    y = (probs @ v).transpose(1, 2).reshape(b, s, h_local * d)               # (b, s, e/tp)
+    grads = {"attn.c_proj.weight": g_attn.reshape(b * s, -1).T @ y.reshape(b * s, -1)}
+    g_y = (g_attn @ w["attn.c_proj.weight"]).view(b, s, h_local, d).transpose(1, 2)
+    g_v = probs.transpose(-2, -1) @ g_y
+    g_probs = g_y @ v.transpose(-2, -1)
+    g_scores = probs * (g_probs - (g_probs * probs).sum(-1, keepdim=True)) / math.sqrt(d)
+    g_q, g_k = g_scores @ k, g_scores.transpose(-2, -1) @ q
+    g_qkv = torch.stack([t.transpose(1, 2) for t in (g_q, g_k, g_v)], dim=3).reshape(b, s, -1)  # [h, 3, d] rows
+    grads["attn.c_attn.weight"] = g_qkv.reshape(b * s, -1).T @ ln_1.reshape(b * s, -1)
+    grads["attn.c_attn.bias"] = g_qkv.sum((0, 1))
+    return grads, g_qkv @ w["attn.c_attn.weight"]
+
+
+def simulate_tp_backward(x, grad_out, state, cfg: BlockConfig, tp: int):
+    """The block backward (no dropout) as tp ranks compute it, in x's dtype.
+
+    Returns (grad_x, [per-rank dict of parameter-gradient shards, fusion's qkv
+    order]). Each rank computes the replicated parts (LayerNorms, residuals)
+    itself; the only cross-rank step is the sum of the partial input gradients
+    of the two column-parallel linears (Megatron's backward all-reduces)."""
+    layout = Layout(dp=1, tp=tp)
+    layout.check(cfg)
+    fparams = fusion_params(state, cfg)
+    ranks = [dict(zip(PARAM_NAMES, rank_params(fparams, layout, r))) for r in range(tp)]
+    # Forward activations every rank holds (replicated over tp).
+    w0 = ranks[0]
+    ln_1 = _layer_norm(x, w0["ln_1.weight"], w0["ln_1.bias"])
+    x1 = x + sum(_rank_attention(ln_1, w, cfg, tp) for w in ranks) + w0["attn.c_proj.bias"]
+    ln_2 = _layer_norm(x1, w0["ln_2.weight"], w0["ln_2.bias"])
+
+    grads = [{} for _ in range(tp)]
+    g_ln_2 = 0
+    for r, w in enumerate(ranks):  # MLP: each rank its 4e/tp slice of the hidden
+        hid = ln_2 @ w["mlp.c_fc.weight"].T + w["mlp.c_fc.bias"]
+        g_h = (grad_out @ w["mlp.c_proj.weight"]) * _gelu_tanh_grad(hid)
+        grads[r]["mlp.c_proj.weight"] = grad_out.reshape(-1, cfg.n_embd).T @ gelu_tanh(hid).reshape(-1, hid.shape[-1])
+        grads[r]["mlp.c_proj.bias"] = grad_out.sum((0, 1))
+        grads[r]["mlp.c_fc.weight"] = g_h.reshape(-1, g_h.shape[-1]).T @ ln_2.reshape(-1, cfg.n_embd)
+        grads[r]["mlp.c_fc.bias"] = g_h.sum((0, 1))
+        g_ln_2 = g_ln_2 + g_h @ w["mlp.c_fc.weight"]                         # the all-reduce over tp
+    g_x1 = grad_out
+    for r, w in enumerate(ranks):
+        g, grads[r]["ln_2.weight"], grads[r]["ln_2.bias"] = _layer_norm_backward(g_ln_2, x1, w["ln_2.weight"])
+        if r == 0:
+            g_x1 = grad_out + g
+    g_ln_1 = 0
+    for r, w in enumerate(ranks):  # attention: each rank its heads
+        rank_grads, partial = _rank_attention_backward(g_x1, ln_1, w, cfg, tp)
+        grads[r].update(rank_grads)
+        grads[r]["attn.c_proj.bias"] = g_x1.sum((0, 1))
+        g_ln_1 = g_ln_1 + partial                                            # the all-reduce over tp
+    grad_x = None
+    for r, w in enumerate(ranks):
+        g, grads[r]["ln_1.weight"], grads[r]["ln_1.bias"] = _layer_norm_backward(g_ln_1, x, w["ln_1.weight"])
+        if r == 0:
+            grad_x = g_x1 + g
+    return grad_x, grads
