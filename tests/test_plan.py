@@ -48,3 +48,13 @@ def test_param_bytes_per_rank():
 def test_plan_rejects_bad_mesh(capsys):
     assert main(["plan", "--preset", "nanogpt", "--tp", "2"]) == 2
     assert "n_head=25: must be divisible by tp=2" in capsys.readouterr().err
+
+
+def test_saved_for_backward_bytes_by_hand():
+    from tpfuser.plan import saved_bytes_per_rank
+    cfg = preset("tiny", dtype="fp32")   # rows b*s = 64, e = 64, fp32: no flash-attention state
+    stats, x, x1 = 4 * 64 * 4, 64 * 64 * 4, 64 * 64 * 4
+    qkv, mlp_h = 64 * 192 * 4, 64 * 256 * 4
+    assert saved_bytes_per_rank(cfg, Layout(1, 1)) == stats + x + x1 + qkv + mlp_h
+    assert saved_bytes_per_rank(cfg, Layout(1, 2)) == stats + x + x1 + qkv // 2 + mlp_h // 2
+    assert saved_bytes_per_rank(cfg, Layout(2, 1)) == (stats + x + x1 + qkv + mlp_h) // 2

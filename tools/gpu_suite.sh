@@ -2,27 +2,35 @@
 # Every GPU check and the first benchmark, in one device call:
 #   source .nvf/setup.sh; bash tools/gpu_suite.sh
 # Writes JSON under $OUT (default ./gpu_out) and prints a short table last.
+# ONLY="tests bench" (a subset of: tests dp tp bench train gpt3) runs part of it.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
+ONLY=${ONLY:-tests dp tp bench train gpt3}
+want() { [[ " $ONLY " == *" $1 "* ]]; }
 export PYTHONPATH=$PWD:${PYTHONPATH:-} NVIDIA_TF32_OVERRIDE=0 PYTHONUNBUFFERED=1
 T=timeout
 
-echo "== 1. GPU tests (1x1 mesh)"
+want tests && echo "== 1. GPU tests (1x1 mesh)" && \
 $T 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -25
 
-echo "== 2. two ranks on one GPU, 2x1 mesh (data parallel, runs to the end)"
+want dp && echo "== 2. two ranks on one GPU, 2x1 mesh (data parallel, runs to the end)" && \
 $T 240 torchrun --standalone --nproc-per-node 2 tools/two_ranks.py dp 2>&1 | grep -E "^rank|Error" | cut -c1-400
 
-echo "== 3. two ranks on one GPU, 1x2 mesh: the collectives nvFuser posts before NCCL refuses"
-NVFUSER_DUMP=communication $T 120 torchrun --standalone --nproc-per-node 2 tools/two_ranks.py tp > "$OUT/tp_dump.log" 2>&1
-grep -E "^rank" "$OUT/tp_dump.log" | cut -c1-300
-python3 tools/collectives.py "$OUT/tp_dump.log" tiny 1 2 fp32 > "$OUT/tp_collectives.json"
-grep -m3 -i "communication" "$OUT/tp_dump.log" | cut -c1-400
+if want tp; then
+  echo "== 3. two ranks on one GPU, 1x2 mesh: the collectives nvFuser posts before NCCL refuses"
+  NVFUSER_DUMP=communication $T 120 torchrun --standalone --nproc-per-node 2 tools/two_ranks.py tp > "$OUT/tp_dump.log" 2>&1
+  grep -E "^rank" "$OUT/tp_dump.log" | cut -c1-300
+  python3 tools/collectives.py "$OUT/tp_dump.log" tiny 1 2 fp32 > "$OUT/tp_collectives.json"
+  grep -m3 -i "communication" "$OUT/tp_dump.log" | cut -c1-400
+fi
 
-echo "== 4. benchmark: nanogpt forward, nvFuser (1x1 mesh, and no mesh) vs eager vs torch.compile"
+want bench && echo "== 4. benchmark: nanogpt forward, nvFuser (1x1 mesh, and no mesh) vs eager vs torch.compile" && \
 $T 300 python3 -m tpfuser.bench --preset nanogpt --json "$OUT/bench_nanogpt.json" --iters 100
 
-echo "== 5. benchmark: gpt3 forward at 1x1 (fewer samples: ~11 ms a call)"
+want train && echo "== 5. benchmark: nanogpt forward+backward (a training step), with peak and saved memory" && \
+$T 300 python3 -m tpfuser.bench --preset nanogpt --train --json "$OUT/bench_nanogpt_train.json" --iters 50
+
+want gpt3 && echo "== 6. benchmark: gpt3 forward at 1x1 (fewer samples: ~11 ms a call)" && \
 $T 300 python3 -m tpfuser.bench --preset gpt3 --impl nvfuser,eager,compile --json "$OUT/bench_gpt3.json" --iters 15
 
 echo "== summary"

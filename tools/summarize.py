@@ -46,15 +46,18 @@ if os.path.exists(path):
     rows.append(("1x2 first collective", (f"{first['kind']} team {first['team']} {first['shapes']}" if first else "none seen")
                  + f"; plan {tp['planned'][0]['kind']} over tp {tp['planned'][0]['shape']}: "
                  + ("match" if tp["first_matches_plan"] else "MISMATCH")))
-for which in ("nanogpt", "gpt3"):
+for which in ("nanogpt", "gpt3", "nanogpt_train"):
     path = os.path.join(out, f"bench_{which}.json")
     if not os.path.exists(path):
         continue
     b = json.load(open(path))
     summary[f"bench_{which}"] = b
     for name, r in b["results"].items():
-        rows.append((f"bench {which} fwd {name}", f"{r['median_ms']:.3f} ms, x{r.get('ratio_to_eager', 0):.2f} eager, "
-                     f"{r['fraction_of_matmul_rate']:.2f} of floor ({b['compute_floor_ms']:.3f} ms)"))
+        mem = (f", peak {r['peak_mib_above_baseline']:.0f} MiB, saved {r['saved_activation_mib']:.0f} MiB"
+               if "peak_mib_above_baseline" in r else "")
+        rows.append((f"bench {which} {'fwd+bwd' if 'train' in which else 'fwd'} {name}",
+                     f"{r['median_ms']:.3f} ms, x{r.get('ratio_to_eager', 0):.2f} eager, "
+                     f"{r['fraction_of_matmul_rate']:.2f} of floor ({b['compute_floor_ms']:.3f} ms){mem}"))
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 width = max(len(k) for k, _ in rows) if rows else 10
 for k, v in rows:

@@ -66,8 +66,26 @@ def matmul_rate(cfg, reps: int = 50) -> float:
     return flops / (statistics.median(times) * 1e-3)
 
 
+def saved_activation_bytes(step_forward, params) -> int:
+    """Bytes of the distinct storages autograd saves for backward in one forward,
+    parameters excluded (they exist anyway)."""
+    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in param_ptrs:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = step_forward()
+    del out
+    return sum(seen.values())
+
+
 def bench(preset_name: str = "nanogpt", impls=IMPLS, iters: int = 100, warmup: int = 20, dropout=None,
-          progress: bool = True) -> dict:
+          progress: bool = True, train: bool = False) -> dict:
     overrides = {"dtype": "bf16"} | ({} if dropout is None else {"dropout": dropout})
     cfg = preset(preset_name, **overrides)
     for impl in impls:
@@ -78,23 +96,14 @@ def bench(preset_name: str = "nanogpt", impls=IMPLS, iters: int = 100, warmup: i
         raise RuntimeError("benchmarking needs a CUDA GPU")
     ref = make_block(cfg, dtype=torch.bfloat16, device="cuda")
     x = make_input(cfg, dtype=torch.bfloat16, device="cuda")
-    fns = {}
-    if "nvfuser" in impls:
-        from tpfuser.runtime import ShardedBlock
-        nv = ShardedBlock(cfg, Layout(1, 1)).load(ref.state_dict())
-        step = iter(range(1 << 30))
-        fns["nvfuser"] = lambda: nv(x, 1234, next(step) % 100_000)["out"]
-    if "nvfuser-nomesh" in impls:
-        from tpfuser.runtime import ShardedBlock
-        nv1 = ShardedBlock(cfg, Layout(1, 1), mesh=False).load(ref.state_dict())
-        step1 = iter(range(1 << 30))
-        fns["nvfuser-nomesh"] = lambda: nv1(x, 1234, next(step1) % 100_000)["out"]
-    with torch.no_grad():
-        if "eager" in impls:
-            fns["eager"] = lambda: eager_forward(ref, x, cfg.dropout)
-        if "compile" in impls:
-            compiled = torch.compile(eager_forward)
-            fns["compile"] = lambda: compiled(ref, x, cfg.dropout)
+    fns, memory = {}, {}
+    if not train:
+        fns = _forward_fns(cfg, ref, x, impls)
+        ctx = torch.no_grad()
+    else:
+        fns, memory = _train_fns(cfg, ref, x, impls)
+        ctx = torch.enable_grad()
+    with ctx:
         for name, fn in fns.items():
             for _ in range(warmup):
                 fn()
@@ -110,7 +119,8 @@ def bench(preset_name: str = "nanogpt", impls=IMPLS, iters: int = 100, warmup: i
         if progress:
             print(file=sys.stderr)
     rate = matmul_rate(cfg)
-    flops = forward_flops(cfg)["total"]
+    # A backward does two matmuls for each of the forward's (input and weight gradients).
+    flops = forward_flops(cfg)["total"] * (3 if train else 1)
     floor_ms = flops / rate * 1e3
     rows = {}
     for name, ts in times.items():
@@ -120,20 +130,77 @@ def bench(preset_name: str = "nanogpt", impls=IMPLS, iters: int = 100, warmup: i
     if "eager" in rows:
         for r in rows.values():
             r["ratio_to_eager"] = r["median_ms"] / rows["eager"]["median_ms"]
-    return {"preset": preset_name, "config": cfg.__dict__, "pass": "forward", "mesh": "1x1",
+    for name, mem in memory.items():
+        rows[name].update(mem)
+    return {"preset": preset_name, "config": cfg.__dict__, "pass": "forward+backward" if train else "forward", "mesh": "1x1",
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "timing": f"CUDA events over {CALLS_PER_SAMPLE} back-to-back calls per sample, {iters} interleaved samples each",
-            "matmul_tflops_measured": rate / 1e12, "forward_matmul_gflop": flops / 1e9,
+            "matmul_tflops_measured": rate / 1e12, "matmul_gflop": flops / 1e9,
             "compute_floor_ms": floor_ms, "results": rows}
+
+
+def _forward_fns(cfg, ref, x, impls):
+    fns = {}
+    for impl, mesh in (("nvfuser", True), ("nvfuser-nomesh", False)):
+        if impl in impls:
+            from tpfuser.runtime import ShardedBlock
+            nv = ShardedBlock(cfg, Layout(1, 1), mesh=mesh).load(ref.state_dict())
+            steps = iter(range(1 << 30))
+            fns[impl] = lambda nv=nv, steps=steps: nv(x, 1234, next(steps) % 100_000)["out"]
+    if "eager" in impls:
+        fns["eager"] = lambda: eager_forward(ref, x, cfg.dropout)
+    if "compile" in impls:
+        compiled = torch.compile(eager_forward)
+        fns["compile"] = lambda: compiled(ref, x, cfg.dropout)
+    return fns
+
+
+def _train_fns(cfg, ref, x, impls):
+    """One training step each (forward, backward, gradients dropped), and its
+    peak memory and saved-activation bytes."""
+    from tpfuser.runtime import TPBlock
+    grad = torch.randn_like(x)
+    fns, memory, forwards = {}, {}, {}
+    for impl, mesh in (("nvfuser", True), ("nvfuser-nomesh", False)):
+        if impl in impls:
+            model = TPBlock(cfg, mesh=mesh).load_full_state_dict(ref.state_dict())
+            forwards[impl] = (lambda m=model: m(x), list(model.parameters()))
+    params = list(ref.parameters())
+    if "eager" in impls:
+        forwards["eager"] = (lambda: eager_forward(ref, x, cfg.dropout), params)
+    if "compile" in impls:
+        compiled = torch.compile(eager_forward)
+        forwards["compile"] = (lambda: compiled(ref, x, cfg.dropout), params)
+    for impl, (fwd, ps) in forwards.items():
+        def step(fwd=fwd, ps=ps):
+            fwd().backward(grad)
+            for p in ps:
+                p.grad = None
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        memory[impl] = {"peak_mib_above_baseline": (torch.cuda.max_memory_allocated() - base) / 2**20,
+                        "saved_activation_mib": saved_activation_bytes(fwd, ps) / 2**20}
+        fns[impl] = step
+    return fns, memory
 
 
 def format_table(rep: dict) -> str:
     lines = [f"{rep['preset']} {rep['pass']} on {rep['gpu']} (mesh {rep['mesh']}): "
              f"floor {rep['compute_floor_ms']:.3f} ms at {rep['matmul_tflops_measured']:.0f} TFLOP/s measured",
-             f"{'impl':<10}{'median ms':>10}{'min':>8}{'max':>8}{'TFLOP/s':>9}{'of floor':>9}{'vs eager':>9}"]
+             f"{'impl':<16}{'median ms':>10}{'min':>8}{'max':>8}{'TFLOP/s':>9}{'of floor':>9}{'vs eager':>9}"]
+    if any("peak_mib_above_baseline" in r for r in rep["results"].values()):
+        lines[1] += f"{'peak MiB':>10}{'saved MiB':>10}"
     for name, r in rep["results"].items():
-        lines.append(f"{name:<10}{r['median_ms']:>10.3f}{r['min_ms']:>8.3f}{r['max_ms']:>8.3f}{r['tflops']:>9.0f}"
-                     f"{r['fraction_of_matmul_rate']:>9.2f}{r.get('ratio_to_eager', float('nan')):>9.2f}")
+        line = (f"{name:<16}{r['median_ms']:>10.3f}{r['min_ms']:>8.3f}{r['max_ms']:>8.3f}{r['tflops']:>9.0f}"
+                f"{r['fraction_of_matmul_rate']:>9.2f}{r.get('ratio_to_eager', float('nan')):>9.2f}")
+        if "peak_mib_above_baseline" in r:
+            line += f"{r['peak_mib_above_baseline']:>10.1f}{r['saved_activation_mib']:>10.1f}"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -143,10 +210,11 @@ def main(argv=None) -> int:
     ap.add_argument("--impl", default=",".join(IMPLS))
     ap.add_argument("--iters", type=int, default=100, help="samples per implementation")
     ap.add_argument("--dropout", type=float, default=None)
+    ap.add_argument("--train", action="store_true", help="forward+backward (a training step) instead of forward")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     try:
-        rep = bench(args.preset, tuple(args.impl.split(",")), args.iters, dropout=args.dropout)
+        rep = bench(args.preset, tuple(args.impl.split(",")), args.iters, dropout=args.dropout, train=args.train)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -46,7 +46,7 @@ import nvfuser_direct as nvf  # noqa: E402
 from nvfuser_direct import DataType, FusionDefinition, ParallelType  # noqa: E402
 
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.plan import DP, TP, PLACEMENTS
+from tpfuser.plan import DP, TP, PLACEMENTS, saved_specs
 from tpfuser.reference import LN_EPS, PARAM_NAMES, param_shapes
 
 _NV_DTYPE = {torch.bfloat16: DataType.BFloat16, torch.float32: DataType.Float}
@@ -136,12 +136,8 @@ def _causal_attention(fd, q, k, v, cfg, p, rng, outputs):
 
 
 def saved_names(cfg: BlockConfig) -> list[str]:
-    """What the training forward saves for backward (plan.SAVED_PLACEMENTS has shapes' shardings).
-    Dropout masks are not saved: the backward draws them again from the same seed and offset."""
-    names = ["ln_1.mean", "ln_1.rstd", "qkv"]
-    if cfg.torch_dtype == torch.bfloat16:
-        names += ["sdpa_out", "sdpa_lse", "sdpa_seed", "sdpa_offset"]
-    return names + ["x1", "ln_2.mean", "ln_2.rstd", "mlp_h"]
+    """What the training forward saves for backward, in order (plan.saved_specs)."""
+    return list(saved_specs(cfg))
 
 
 def _split_heads(fd, qkv, cfg):
@@ -286,16 +282,8 @@ def loop_sharding(tv) -> tuple[str, list[tuple[str, int]]]:
 # ---------------------------------------------------------------------------
 # Backward
 
-_SAVED_DTYPE = {"ln_1.mean": "f", "ln_1.rstd": "f", "sdpa_lse": "f", "x1": "f", "ln_2.mean": "f", "ln_2.rstd": "f",
-                "sdpa_seed": "u64", "sdpa_offset": "u64"}  # the rest: the block's dtype
-
-
 def saved_shapes(cfg: BlockConfig) -> dict[str, list[int]]:
-    b, s, e, h, d = cfg.batch, cfg.seq, cfg.n_embd, cfg.n_head, cfg.head_dim
-    shapes = {"ln_1.mean": [b, s], "ln_1.rstd": [b, s], "qkv": [b, s, 3 * e], "sdpa_out": [b, h, s, d],
-              "sdpa_lse": [b, h, s], "sdpa_seed": [2], "sdpa_offset": [], "x1": [b, s, e],
-              "ln_2.mean": [b, s], "ln_2.rstd": [b, s], "mlp_h": [b, s, 4 * e]}
-    return {name: shapes[name] for name in saved_names(cfg)}
+    return {name: list(shape) for name, (shape, _) in saved_specs(cfg).items()}
 
 
 @dataclass
@@ -380,14 +368,13 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig) -> BackwardFusion:
     b, s, e, h, d = cfg.batch, cfg.seq, cfg.n_embd, cfg.n_head, cfg.head_dim
     dtype, p = _NV_DTYPE[cfg.torch_dtype], cfg.dropout
     bf = BackwardFusion(fd, cfg, has_rng=p > 0)
-    nv = {"f": DataType.Float, "u64": DataType.UInt64}
+    nv = {"block": dtype, "f32": DataType.Float, "u64": DataType.UInt64}
     bf.inputs["grad_out"] = fd.define_tensor(shape=[b, s, e], contiguity=True, dtype=dtype)
     bf.inputs["x"] = fd.define_tensor(shape=[b, s, e], contiguity=True, dtype=dtype)
     for name, shape in param_shapes(cfg).items():
         bf.inputs[name] = fd.define_tensor(shape=list(shape), contiguity=True, dtype=dtype)
-    for name, shape in saved_shapes(cfg).items():
-        bf.inputs[name] = fd.define_tensor(shape=shape, contiguity=True,
-                                           dtype=nv[_SAVED_DTYPE[name]] if name in _SAVED_DTYPE else dtype)
+    for name, (shape, kind) in saved_specs(cfg).items():
+        bf.inputs[name] = fd.define_tensor(shape=list(shape), contiguity=True, dtype=nv[kind])
     w = bf.inputs
     rng = (fd.define_scalar(dtype=DataType.Int), fd.define_scalar(dtype=DataType.Int)) if p > 0 else None
     grads = {}

@@ -55,6 +55,32 @@ SAVED_PLACEMENTS: dict[str, Placement] = {
     "mlp_h": {0: DP, 2: TP},                            # [b, s, 4e] before GELU, 4e over tp
 }
 
+def saved_specs(cfg: BlockConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (global shape, dtype) of what the training forward saves, in the
+    order the backward takes them. dtype: "block" (bf16/fp32), "f32" or "u64".
+    Dropout masks are not saved: the backward draws them again."""
+    b, s, e, h, d = cfg.batch, cfg.seq, cfg.n_embd, cfg.n_head, cfg.head_dim
+    specs = {"ln_1.mean": ((b, s), "f32"), "ln_1.rstd": ((b, s), "f32"), "qkv": ((b, s, 3 * e), "block")}
+    if cfg.dtype == "bf16":
+        specs |= {"sdpa_out": ((b, h, s, d), "block"), "sdpa_lse": ((b, h, s), "f32"),
+                  "sdpa_seed": ((2,), "u64"), "sdpa_offset": ((), "u64")}
+    return specs | {"x1": ((b, s, e), "f32"), "ln_2.mean": ((b, s), "f32"), "ln_2.rstd": ((b, s), "f32"),
+                    "mlp_h": ((b, s, 4 * e), "block")}
+
+
+def saved_bytes_per_rank(cfg: BlockConfig, layout: Layout) -> int:
+    """What the training forward keeps for backward on one rank (the input x, kept by autograd, included)."""
+    sizes = {"block": cfg.torch_dtype.itemsize, "f32": 4, "u64": 8}
+    total = 0
+    specs = saved_specs(cfg) | {"x": ((cfg.batch, cfg.seq, cfg.n_embd), "block")}
+    for name, (shape, dtype) in specs.items():
+        n = 1
+        for dim in local_shape(shape, PLACEMENTS[name], layout):
+            n *= dim
+        total += n * sizes[dtype]
+    return total
+
+
 # Backward: the upstream gradient and the input gradient are laid out like the
 # output and the input; every parameter gradient like its parameter. Parameter
 # gradients are replicated over dp, so nvFuser all-reduces them over dp inside

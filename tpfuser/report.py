@@ -4,7 +4,8 @@ Pure Python: it needs neither a GPU nor nvFuser."""
 from __future__ import annotations
 
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.plan import ACTIVATION_PLACEMENTS, PARAM_PLACEMENTS, collectives, forward_flops, local_shape
+from tpfuser.plan import (ACTIVATION_PLACEMENTS, PARAM_PLACEMENTS, collectives, forward_flops, local_shape,
+                          saved_bytes_per_rank)
 from tpfuser.reference import PARAM_NAMES, param_shapes
 
 
@@ -44,6 +45,7 @@ def plan_report(cfg: BlockConfig, layout: Layout, preset_name: str = "") -> dict
         "collectives_over_dp": 0,
         "flops_per_rank": forward_flops(cfg, layout),
         "param_bytes_per_rank": param_bytes,
+        "saved_for_backward_bytes_per_rank": saved_bytes_per_rank(cfg, layout),
     }
 
 
@@ -77,5 +79,6 @@ def format_plan(rep: dict) -> str:
     f = rep["flops_per_rank"]
     lines += ["", f"matmul FLOPs per rank: {f['total'] / 1e9:.2f} GFLOP "
               f"({', '.join(f'{k} {v / 1e9:.2f}' for k, v in f.items() if k != 'total')})",
-              f"parameter bytes per rank: {_fmt_bytes(rep['param_bytes_per_rank'])}"]
+              f"parameter bytes per rank: {_fmt_bytes(rep['param_bytes_per_rank'])}",
+              f"saved for backward per rank (training): {_fmt_bytes(rep['saved_for_backward_bytes_per_rank'])}"]
     return "\n".join(lines)

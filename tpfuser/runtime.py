@@ -15,8 +15,8 @@ from typing import Optional
 import torch
 
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.fusion import RNG_STREAMS, build_forward, communicator
-from tpfuser.plan import ACTIVATION_PLACEMENTS, PARAM_PLACEMENTS, local_shape
+from tpfuser.fusion import RNG_STREAMS, build_backward, build_forward, communicator, saved_names
+from tpfuser.plan import ACTIVATION_PLACEMENTS, PARAM_PLACEMENTS, PLACEMENTS, local_shape
 from tpfuser.reference import PARAM_NAMES, param_shapes
 from tpfuser.shard import fusion_params, local_slice, rank_params
 
@@ -64,9 +64,11 @@ class ShardedBlock:
         self.cfg, self.layout, self.rank, self.check = cfg, layout, rank, check
         self.dp_rank, self.tp_rank = layout.rank_coords(rank)
         self.device = device or torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
-        self.fusion = build_forward(cfg, layout if mesh else None, check=check)
+        self._mesh_layout = layout if mesh else None
+        self.fusion = build_forward(cfg, self._mesh_layout, check=check)
         self.output_names = list(self.fusion.outputs)
         self._params: Optional[list[torch.Tensor]] = None
+        self._train_fusion = self._backward_fusion = None   # built on first use
 
     # -- parameters -------------------------------------------------------
     def load(self, state: dict[str, torch.Tensor]) -> "ShardedBlock":
@@ -121,19 +123,52 @@ class ShardedBlock:
             raise ValueError(f"{name}: expected " + ", ".join(problems) +
                              f" for rank {self.rank} of mesh {self.layout.dp}x{self.layout.tp}")
 
+    def _rng_inputs(self, rng_seed, rng_offset) -> list[int]:
+        if self.cfg.dropout == 0:
+            return []
+        if not isinstance(rng_seed, int) or not 0 <= rng_seed < RNG_OFFSET_LIMIT:
+            raise ValueError(f"rng_seed={rng_seed!r}: must be an int in [0, 2**31)")
+        return [rng_seed, rank_rng_offset(rng_offset, self.layout.dp, self.dp_rank)]
+
+    def _checked_params(self, params) -> list[torch.Tensor]:
+        if params is None:
+            if self._params is None:
+                raise RuntimeError("no parameters: call load() or load_shards() first")
+            return self._params
+        return list(params)
+
     def __call__(self, x: torch.Tensor, rng_seed: int = 0, rng_offset: int = 0) -> dict[str, torch.Tensor]:
         """Run the fusion on this rank's input slice; returns this rank's outputs by name
         ('out', and with check=True the keep-masks of the dropouts)."""
-        if self._params is None:
-            raise RuntimeError("no parameters: call load() or load_shards() first")
+        params = self._checked_params(None)
         self._validate("x", x, self.input_shape())
-        inputs = [x.contiguous(), *self._params]
-        if self.fusion.has_rng:
-            if not isinstance(rng_seed, int) or not 0 <= rng_seed < RNG_OFFSET_LIMIT:
-                raise ValueError(f"rng_seed={rng_seed!r}: must be an int in [0, 2**31)")
-            inputs += [rng_seed, rank_rng_offset(rng_offset, self.layout.dp, self.dp_rank)]
-        outs = self.fusion.fd.execute(inputs)
+        outs = self.fusion.fd.execute([x.contiguous(), *params, *self._rng_inputs(rng_seed, rng_offset)])
         return dict(zip(self.output_names, outs))
+
+    # -- training ---------------------------------------------------------
+    def forward_train(self, x: torch.Tensor, rng_seed: int = 0, rng_offset: int = 0, params=None):
+        """The forward that also returns what backward needs: (outputs by name, saved list)."""
+        params = self._checked_params(params)
+        self._validate("x", x, self.input_shape())
+        if self._train_fusion is None:
+            self._train_fusion = build_forward(self.cfg, self._mesh_layout, check=self.check, train=True)
+        outs = self._train_fusion.fd.execute([x.contiguous(), *params, *self._rng_inputs(rng_seed, rng_offset)])
+        named = dict(zip(self._train_fusion.outputs, outs))
+        saved = [named.pop(name) for name in saved_names(self.cfg)]
+        return named, saved
+
+    def backward(self, grad_out: torch.Tensor, x: torch.Tensor, saved: list[torch.Tensor],
+                 rng_seed: int = 0, rng_offset: int = 0, params=None):
+        """(grad of x, [grad of each parameter shard in PARAM_NAMES order]) for this rank.
+        The dropout masks are drawn again from (rng_seed, rng_offset): pass the forward's."""
+        params = self._checked_params(params)
+        self._validate("grad_out", grad_out, self.input_shape())
+        if self._backward_fusion is None:
+            self._backward_fusion = build_backward(self.cfg, self._mesh_layout)
+        inputs = [grad_out.contiguous(), x.contiguous(), *params, *(t.contiguous() for t in saved),
+                  *self._rng_inputs(rng_seed, rng_offset)]
+        outs = self._backward_fusion.fd.execute(inputs)
+        return outs[0], list(outs[1:])
 
 
 def world() -> tuple[int, int]:
@@ -143,7 +178,8 @@ def world() -> tuple[int, int]:
 
 
 def gather_output(local: torch.Tensor, layout: Layout, name: str = "out", group=None) -> torch.Tensor:
-    """Every rank's shard of an output, reassembled into the global tensor on
+    """Every rank's shard of a tensor named in plan.PLACEMENTS (an output, a
+    parameter or its gradient), reassembled into the global tensor on
     every rank (for checking; it moves the whole tensor). Uses torch.distributed
     (any backend; the shards travel through the CPU), which the caller
     initializes; with a world of one it returns the local tensor."""
@@ -157,4 +193,77 @@ def gather_output(local: torch.Tensor, layout: Layout, name: str = "out", group=
         raise ValueError(f"world size {dist.get_world_size(group)} != dp*tp = {layout.world_size}")
     shards: list = [None] * layout.world_size
     dist.all_gather_object(shards, local.detach().cpu(), group=group)
-    return gather(shards, ACTIVATION_PLACEMENTS[name], layout)
+    return gather(shards, PLACEMENTS[name], layout)
+
+
+
+class _BlockFunction(torch.autograd.Function):
+    """autograd glue: forward and backward fusions of one ShardedBlock."""
+
+    @staticmethod
+    def forward(ctx, block: ShardedBlock, rng_seed: int, rng_offset: int, x, *params):
+        named, saved = block.forward_train(x, rng_seed, rng_offset, params)
+        ctx.block, ctx.rng = block, (rng_seed, rng_offset)
+        ctx.save_for_backward(x, *params, *saved)
+        ctx.extra = {k: v for k, v in named.items() if k != "out"}   # masks in check mode
+        return named["out"]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        tensors = ctx.saved_tensors
+        n = len(PARAM_NAMES)
+        x, params, saved = tensors[0], tensors[1:1 + n], list(tensors[1 + n:])
+        grad_x, grads = ctx.block.backward(grad_out, x, saved, *ctx.rng, params=params)
+        return (None, None, None, grad_x, *grads)
+
+
+class TPBlock(torch.nn.Module):
+    """The sharded block as an nn.Module: its parameters are this rank's shards
+    (PARAM_NAMES order, c_attn rows head by head), so `loss.backward()` leaves
+    each rank its gradient shards. Parameter gradients are summed over dp inside
+    the backward fusion (as for a loss summed over the global batch).
+
+    Each training-mode call draws fresh dropout masks: the philox offset is a
+    step counter, the seed fixed at construction."""
+
+    def __init__(self, cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, rng_seed: int = 0,
+                 device: Optional[torch.device] = None, mesh: bool = True):
+        super().__init__()
+        self.cfg, self.layout, self.rank = cfg, layout, rank
+        self.runner = ShardedBlock(cfg, layout, rank, device=device, mesh=mesh)
+        self._eval_runner = None
+        self.shards = torch.nn.ParameterList()
+        self.rng_seed, self.step = rng_seed, 0
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> "TPBlock":
+        """Take a nanoGPT Block state_dict (global); keep this rank's shards as parameters."""
+        self.runner.load(state)
+        self.shards = torch.nn.ParameterList([torch.nn.Parameter(t) for t in self.runner._params])
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        runner = self.runner
+        if not self.training and self.cfg.dropout > 0:
+            if self._eval_runner is None:
+                self._eval_runner = ShardedBlock(self.cfg.replace(dropout=0.0), self.layout, self.rank,
+                                                 device=self.runner.device, mesh=self.runner._mesh_layout is not None)
+            runner = self._eval_runner
+        offset = self.step
+        if self.training:
+            self.step += 1
+        return _BlockFunction.apply(runner, self.rng_seed, offset, x, *self.shards)
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Global parameter gradients in nanoGPT's layout (blocked c_attn), for checking.
+        Gathers the other ranks' shards through torch.distributed when the world is larger than one."""
+        from tpfuser.shard import qkv_blocked
+        out = {}
+        for name, p in zip(PARAM_NAMES, self.shards):
+            g = p.grad
+            if self.layout.world_size > 1:
+                g = gather_output(g, self.layout, name)
+            if name.startswith("attn.c_attn"):
+                g = qkv_blocked(g, self.cfg.n_head)
+            out[name] = g
+        return out
+
