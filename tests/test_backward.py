@@ -75,3 +75,16 @@ def test_backward_builds_and_is_sharded_as_planned(layout, dtype):
         mesh, axes = loop_sharding(tv)
         assert mesh == mesh_text(layout), name
         assert axes == expected_loop(shapes[name], PLACEMENTS[name], layout), name
+
+
+def test_schedule_options():
+    from tpfuser.fusion import ScheduleOptions, build_backward, loop_sharding
+    cfg = preset("tiny")
+    flat = build_backward(cfg, Layout(1, 2), ScheduleOptions(flat_dp1=True))
+    mesh, axes = loop_sharding(flat.inputs["qkv"])
+    assert mesh == "DeviceMesh{0 1}" and [k for k, _ in axes] == ["", "", "mesh_x", ""]
+    inputs_only = build_backward(cfg, Layout(2, 2), ScheduleOptions(outputs=False))
+    assert loop_sharding(inputs_only.outputs["grad_x"])[0] == ""          # left to nvFuser's propagation
+    assert loop_sharding(inputs_only.inputs["x"])[1][0] == ("mesh_y", 2)
+    still_2d = build_backward(cfg, Layout(2, 2), ScheduleOptions(flat_dp1=True))   # dp > 1: the option does nothing
+    assert loop_sharding(still_2d.inputs["x"])[0] == "DeviceMesh{{0 1}{2 3}}"

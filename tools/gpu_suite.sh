@@ -2,16 +2,19 @@
 # Every GPU check and the first benchmark, in one device call:
 #   source .nvf/setup.sh; bash tools/gpu_suite.sh
 # Writes JSON under $OUT (default ./gpu_out) and prints a short table last.
-# ONLY="tests bench" (a subset of: tests dp tp bench train gpt3) runs part of it.
+# ONLY="tests bench" (a subset of: variants tests dp tp bench train gpt3) runs part of it.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
-ONLY=${ONLY:-tests dp tp bench train gpt3}
+ONLY=${ONLY:-variants tests dp tp bench train gpt3}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
 export PYTHONPATH=$PWD:${PYTHONPATH:-} NVIDIA_TF32_OVERRIDE=0 PYTHONUNBUFFERED=1
 T=timeout
 
+want variants && echo "== 0. which schedule of the training fusions nvFuser compiles (NOTES.md)" && \
+$T 300 python3 tools/backward_variants.py 2>&1 | grep -E "^(tiny|nanogpt)"
+
 want tests && echo "== 1. GPU tests (1x1 mesh)" && \
-$T 300 python3 -m pytest -q -m gpu tests -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -25
+$T 400 python3 -m pytest -q -m gpu tests -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -25
 
 want dp && echo "== 2. two ranks on one GPU, 2x1 mesh (data parallel, runs to the end)" && \
 $T 240 torchrun --standalone --nproc-per-node 2 tools/two_ranks.py dp 2>&1 | grep -E "^rank|Error" | cut -c1-400

@@ -111,3 +111,48 @@ def check_forward(cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, pr
     if attention is not None:
         result.notes.append("attention through ATen flash attention, dropout replayed from the CUDA generator")
     return result
+
+
+# Relative L2 error allowed on every gradient. bf16: gradients pass through
+# several bf16 roundings (activations, matmul outputs) and sums over b*s rows.
+GRAD_TOLERANCES = {"bf16": 2e-2, "fp32": 1e-5}
+
+
+def check_backward(cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, mesh: bool = True,
+                   train_options=None, rng_seed: int = 1234, rng_offset: int = 5) -> dict:
+    """This rank's gradients (input and every parameter) against reference
+    autograd with the fusion's dropout masks. Returns {tensor: rel L2 error}."""
+    from tpfuser.fusion import ScheduleOptions
+    from tpfuser.reference import PARAM_NAMES
+    from tpfuser.shard import qkv_blocked
+    if layout.world_size != 1:
+        raise NotImplementedError("check_backward compares a 1x1 run (gradient shards of tp > 1: see the multi-GPU issue)")
+    device = torch.device("cuda", torch.cuda.current_device())
+    ref = make_block(cfg)
+    x, grad_out = make_input(cfg), make_input(cfg, seed=2)
+    if cfg.dtype == "bf16":
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.copy_(p.bfloat16().float())
+        x, grad_out = x.bfloat16().float(), grad_out.bfloat16().float()
+    block = ShardedBlock(cfg, layout, rank, check=True, device=device, mesh=mesh,
+                         train_options=train_options or ScheduleOptions()).load(ref.state_dict())
+    xl, gl = block.shard_input(x), block.shard_input(grad_out)
+    rng_state = torch.cuda.get_rng_state()
+    named, saved = block.forward_train(xl, rng_seed, rng_offset)
+    grad_x, grads = block.backward(gl, xl, saved, rng_seed, rng_offset)
+
+    ref = ref.to(device)
+    masks = Masks(resid_attn=named["resid_attn_keep"], resid_mlp=named["resid_mlp_keep"],
+                  attn=named.get("attn_keep")) if cfg.dropout > 0 else None
+    attention = flash_replay(cfg.dropout, rng_state) if cfg.dtype == "bf16" else None
+    xr = x.to(device).requires_grad_(True)
+    out = ref(xr, masks, attention)
+    out.backward(grad_out.to(device))
+    errors = {"out": rel_l2(named["out"], out.detach()), "x": rel_l2(grad_x, xr.grad)}
+    ref_grads = dict(ref.named_parameters())
+    for name, g in zip(PARAM_NAMES, grads):
+        if name.startswith("attn.c_attn"):
+            g = qkv_blocked(g, cfg.n_head)
+        errors[name] = rel_l2(g, ref_grads[name].grad)
+    return errors

@@ -218,7 +218,21 @@ def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, 
     return ff
 
 
-def make_mesh(layout: Layout):
+@dataclass(frozen=True)
+class ScheduleOptions:
+    """How the schedule applies the plan. The defaults are what the forward was
+    validated with. The others exist because nvFuser 0.2.36 failed to compile the
+    meshed training fusions (NOTES.md) and nvFuser's own backward test, which
+    compiles, differs in these two ways: it schedules only the inputs, and its
+    mesh is 1-D (no dp axis)."""
+
+    outputs: bool = True     # also split the outputs explicitly (else: nvFuser's propagation decides)
+    flat_dp1: bool = False   # when dp == 1, a 1-D mesh of tp devices with no dp split at all
+
+
+def make_mesh(layout: Layout, options: ScheduleOptions = ScheduleOptions()):
+    if options.flat_dp1 and layout.dp == 1:
+        return nvf.multidevice.DeviceMesh(torch.arange(layout.tp))
     return nvf.multidevice.DeviceMesh(torch.arange(layout.world_size).reshape(layout.dp, layout.tp))
 
 
@@ -230,25 +244,30 @@ def _apply_placement(tv, placement, layout):
         tv.axis(dim).parallelize(_MESH_AXIS[placement[dim]])
 
 
-def schedule(ff: ForwardFusion, layout: Layout) -> None:
-    """Put every input and output on the dp x tp mesh and split it as plan.PLACEMENTS says.
+def schedule(ff, layout: Layout, options: ScheduleOptions = ScheduleOptions()) -> None:
+    """Put every input (and output) on the dp x tp mesh and split it as plan.PLACEMENTS says.
 
-    Must run inside the `with FusionDefinition()` block, after define_forward.
+    Must run inside the `with FusionDefinition()` block, after define_forward or define_backward.
     """
-    mesh = make_mesh(layout)
-    for name, tv in list(ff.inputs.items()) + list(ff.outputs.items()):
+    mesh = make_mesh(layout, options)
+    flat = options.flat_dp1 and layout.dp == 1
+    named = list(ff.inputs.items()) + (list(ff.outputs.items()) if options.outputs else [])
+    for name, tv in named:
         tv.set_device_mesh(mesh)
-        _apply_placement(tv, PLACEMENTS[name], layout)
+        placement = PLACEMENTS[name]
+        if flat:
+            placement = {dim: axis for dim, axis in placement.items() if axis != DP}
+        _apply_placement(tv, placement, layout)
 
 
 def build_forward(cfg: BlockConfig, layout: Layout | None = None, check: bool = False,
-                  train: bool = False) -> ForwardFusion:
+                  train: bool = False, options: ScheduleOptions = ScheduleOptions()) -> ForwardFusion:
     """Define the forward and, when a layout is given, shard it on its mesh."""
     with FusionDefinition() as fd:
         ff = define_forward(fd, cfg, check, train)
         if layout is not None:
             layout.check(cfg)
-            schedule(ff, layout)
+            schedule(ff, layout, options)
     return ff
 
 
@@ -440,11 +459,12 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig) -> BackwardFusion:
     return bf
 
 
-def build_backward(cfg: BlockConfig, layout: Layout | None = None) -> BackwardFusion:
+def build_backward(cfg: BlockConfig, layout: Layout | None = None,
+                   options: ScheduleOptions = ScheduleOptions()) -> BackwardFusion:
     """Define the backward and, when a layout is given, shard it on its mesh."""
     with FusionDefinition() as fd:
         bf = define_backward(fd, cfg)
         if layout is not None:
             layout.check(cfg)
-            schedule(bf, layout)
+            schedule(bf, layout, options)
     return bf

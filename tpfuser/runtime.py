@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.fusion import RNG_STREAMS, build_backward, build_forward, communicator, saved_names
+from tpfuser.fusion import RNG_STREAMS, ScheduleOptions, build_backward, build_forward, communicator, saved_names
 from tpfuser.plan import ACTIVATION_PLACEMENTS, PARAM_PLACEMENTS, PLACEMENTS, local_shape
 from tpfuser.reference import PARAM_NAMES, param_shapes
 from tpfuser.shard import fusion_params, local_slice, rank_params
@@ -55,9 +55,11 @@ class ShardedBlock:
     """One rank's share of the block forward on a dp x tp mesh."""
 
     def __init__(self, cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, check: bool = False,
-                 device: Optional[torch.device] = None, mesh: bool = True):
+                 device: Optional[torch.device] = None, mesh: bool = True,
+                 train_options: ScheduleOptions = ScheduleOptions()):
         """mesh=False (1x1 only) builds the fusion without a device mesh: the
-        same math, run by nvFuser's single-device executor (see NOTES.md)."""
+        same math, run by nvFuser's single-device executor (see NOTES.md).
+        train_options: how the training forward and the backward are scheduled."""
         layout.check(cfg)
         if not mesh and layout.world_size != 1:
             raise ValueError(f"mesh=False needs a 1x1 layout, got {layout.dp}x{layout.tp}")
@@ -69,6 +71,7 @@ class ShardedBlock:
         self.output_names = list(self.fusion.outputs)
         self._params: Optional[list[torch.Tensor]] = None
         self._train_fusion = self._backward_fusion = None   # built on first use
+        self.train_options = train_options
 
     # -- parameters -------------------------------------------------------
     def load(self, state: dict[str, torch.Tensor]) -> "ShardedBlock":
@@ -151,7 +154,8 @@ class ShardedBlock:
         params = self._checked_params(params)
         self._validate("x", x, self.input_shape())
         if self._train_fusion is None:
-            self._train_fusion = build_forward(self.cfg, self._mesh_layout, check=self.check, train=True)
+            self._train_fusion = build_forward(self.cfg, self._mesh_layout, check=self.check, train=True,
+                                               options=self.train_options)
         outs = self._train_fusion.fd.execute([x.contiguous(), *params, *self._rng_inputs(rng_seed, rng_offset)])
         named = dict(zip(self._train_fusion.outputs, outs))
         saved = [named.pop(name) for name in saved_names(self.cfg)]
@@ -164,7 +168,7 @@ class ShardedBlock:
         params = self._checked_params(params)
         self._validate("grad_out", grad_out, self.input_shape())
         if self._backward_fusion is None:
-            self._backward_fusion = build_backward(self.cfg, self._mesh_layout)
+            self._backward_fusion = build_backward(self.cfg, self._mesh_layout, self.train_options)
         inputs = [grad_out.contiguous(), x.contiguous(), *params, *(t.contiguous() for t in saved),
                   *self._rng_inputs(rng_seed, rng_offset)]
         outs = self._backward_fusion.fd.execute(inputs)
@@ -227,10 +231,11 @@ class TPBlock(torch.nn.Module):
     step counter, the seed fixed at construction."""
 
     def __init__(self, cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, rng_seed: int = 0,
-                 device: Optional[torch.device] = None, mesh: bool = True):
+                 device: Optional[torch.device] = None, mesh: bool = True,
+                 train_options: ScheduleOptions = ScheduleOptions()):
         super().__init__()
         self.cfg, self.layout, self.rank = cfg, layout, rank
-        self.runner = ShardedBlock(cfg, layout, rank, device=device, mesh=mesh)
+        self.runner = ShardedBlock(cfg, layout, rank, device=device, mesh=mesh, train_options=train_options)
         self._eval_runner = None
         self.shards = torch.nn.ParameterList()
         self.rng_seed, self.step = rng_seed, 0
@@ -246,7 +251,8 @@ class TPBlock(torch.nn.Module):
         if not self.training and self.cfg.dropout > 0:
             if self._eval_runner is None:
                 self._eval_runner = ShardedBlock(self.cfg.replace(dropout=0.0), self.layout, self.rank,
-                                                 device=self.runner.device, mesh=self.runner._mesh_layout is not None)
+                                                 device=self.runner.device, mesh=self.runner._mesh_layout is not None,
+                                                 train_options=self.runner.train_options)
             runner = self._eval_runner
         offset = self.step
         if self.training:
