@@ -84,6 +84,17 @@ def saved_activation_bytes(step_forward, params) -> int:
     return sum(seen.values())
 
 
+def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device memory bandwidth, bytes/s, of a device-to-device copy (read + write)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ms = statistics.median(_time(lambda: b.copy_(a), start, end) for _ in range(reps))
+    return 2 * nbytes / (ms * 1e-3)
+
+
 def bench(preset_name: str = "nanogpt", impls=IMPLS, iters: int = 100, warmup: int = 20, dropout=None,
           progress: bool = True, train: bool = False) -> dict:
     overrides = {"dtype": "bf16"} | ({} if dropout is None else {"dropout": dropout})
@@ -119,6 +130,7 @@ def bench(preset_name: str = "nanogpt", impls=IMPLS, iters: int = 100, warmup: i
         if progress:
             print(file=sys.stderr)
     rate = matmul_rate(cfg)
+    bandwidth = copy_bandwidth()
     # A backward does two matmuls for each of the forward's (input and weight gradients).
     flops = forward_flops(cfg)["total"] * (3 if train else 1)
     floor_ms = flops / rate * 1e3
@@ -135,7 +147,7 @@ def bench(preset_name: str = "nanogpt", impls=IMPLS, iters: int = 100, warmup: i
     return {"preset": preset_name, "config": cfg.__dict__, "pass": "forward+backward" if train else "forward", "mesh": "1x1",
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "timing": f"CUDA events over {CALLS_PER_SAMPLE} back-to-back calls per sample, {iters} interleaved samples each",
-            "matmul_tflops_measured": rate / 1e12, "matmul_gflop": flops / 1e9,
+            "matmul_tflops_measured": rate / 1e12, "copy_gbps_measured": bandwidth / 1e9, "matmul_gflop": flops / 1e9,
             "compute_floor_ms": floor_ms, "results": rows}
 
 
@@ -189,9 +201,36 @@ def _train_fns(cfg, ref, x, impls):
     return fns, memory
 
 
+REPORT_KEYS = {"preset": str, "config": dict, "pass": str, "mesh": str, "gpu": str, "torch": str, "timing": str,
+               "matmul_tflops_measured": float, "matmul_gflop": float, "compute_floor_ms": float, "results": dict}
+RESULT_KEYS = {"median_ms": float, "min_ms": float, "max_ms": float, "runs": int, "tflops": float,
+               "fraction_of_matmul_rate": float}
+
+
+def validate_report(rep: dict) -> dict:
+    """Check a bench report's schema (the JSON the plot and the README read); return it."""
+    def check(obj, keys, where):
+        for key, kind in keys.items():
+            if key not in obj:
+                raise ValueError(f"{where}: missing key {key!r}")
+            if not isinstance(obj[key], kind) and not (kind is float and isinstance(obj[key], int)):
+                raise ValueError(f"{where}.{key}: expected {kind.__name__}, got {type(obj[key]).__name__}")
+    if "forward_matmul_gflop" in rep:   # the key's name in reports before 2026-12-02's last run
+        rep.setdefault("matmul_gflop", rep["forward_matmul_gflop"])
+    check(rep, REPORT_KEYS, "report")
+    if not rep["results"]:
+        raise ValueError("report.results: no implementation")
+    for name, row in rep["results"].items():
+        check(row, RESULT_KEYS, f"report.results[{name!r}]")
+        if not row["min_ms"] <= row["median_ms"] <= row["max_ms"]:
+            raise ValueError(f"report.results[{name!r}]: expected min <= median <= max")
+    return rep
+
+
 def format_table(rep: dict) -> str:
     lines = [f"{rep['preset']} {rep['pass']} on {rep['gpu']} (mesh {rep['mesh']}): "
-             f"floor {rep['compute_floor_ms']:.3f} ms at {rep['matmul_tflops_measured']:.0f} TFLOP/s measured",
+             f"floor {rep['compute_floor_ms']:.3f} ms at {rep['matmul_tflops_measured']:.0f} TFLOP/s measured"
+             + (f"; copy {rep['copy_gbps_measured']:.0f} GB/s" if "copy_gbps_measured" in rep else ""),
              f"{'impl':<16}{'median ms':>10}{'min':>8}{'max':>8}{'TFLOP/s':>9}{'of floor':>9}{'vs eager':>9}"]
     if any("peak_mib_above_baseline" in r for r in rep["results"].values()):
         lines[1] += f"{'peak MiB':>10}{'saved MiB':>10}"
@@ -212,15 +251,20 @@ def main(argv=None) -> int:
     ap.add_argument("--dropout", type=float, default=None)
     ap.add_argument("--train", action="store_true", help="forward+backward (a training step) instead of forward")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--png", default=None, help="also plot the report here")
     args = ap.parse_args(argv)
     try:
         rep = bench(args.preset, tuple(args.impl.split(",")), args.iters, dropout=args.dropout, train=args.train)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    validate_report(rep)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rep, f, indent=1)
+    if args.png:
+        from tpfuser.plot import plot_reports
+        plot_reports([rep], args.png)
     print(format_table(rep))
     return 0
 

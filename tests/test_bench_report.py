@@ -1,0 +1,41 @@
+"""The benchmark's JSON schema and its plot (CPU: on the committed H200 reports)."""
+import copy
+import glob
+import json
+
+import pytest
+
+from tpfuser.bench import format_table, validate_report
+
+REPORTS = sorted(glob.glob("results/*/bench_*.json"))
+
+
+def test_there_are_committed_reports():
+    assert REPORTS
+
+
+@pytest.mark.parametrize("path", REPORTS)
+def test_committed_reports_follow_the_schema(path):
+    rep = validate_report(json.load(open(path)))
+    assert "eager" in rep["results"] and rep["results"]["eager"]["ratio_to_eager"] == 1.0
+    assert format_table(rep).count("\n") == len(rep["results"]) + 1
+
+
+def test_schema_errors_name_the_key():
+    rep = json.load(open(REPORTS[0]))
+    broken = copy.deepcopy(rep)
+    del broken["compute_floor_ms"]
+    with pytest.raises(ValueError, match="report: missing key 'compute_floor_ms'"):
+        validate_report(broken)
+    broken = copy.deepcopy(rep)
+    name = next(iter(broken["results"]))
+    broken["results"][name]["min_ms"] = 1e9
+    with pytest.raises(ValueError, match="expected min <= median <= max"):
+        validate_report(broken)
+
+
+def test_plot_writes_a_png(tmp_path):
+    from tpfuser.plot import main
+    out = tmp_path / "bench.png"
+    assert main([str(out), *REPORTS[:2]]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
