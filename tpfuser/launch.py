@@ -56,15 +56,22 @@ def init_rank(layout: Layout) -> int:
     return info["rank"]
 
 
+def torchrun_command(layout: Layout, argv: list[str], environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that re-run `tpfuser argv` under torchrun on this node.
+    The world of one that fusion.py may have described for this process is dropped."""
+    env = {k: v for k, v in environ.items()
+           if k not in ("TPFUSER_SINGLE_PROCESS", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                        "NVFUSER_MASTER_ADDR", "NVFUSER_MASTER_PORT")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={layout.world_size}", "-m", "tpfuser.cli", *argv]
+    return cmd, env
+
+
 def relaunch(layout: Layout) -> int:
     """Re-run this command under torchrun with dp*tp local ranks."""
     import torch
     check_world(layout, layout.world_size, torch.cuda.device_count(), layout.world_size)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TPFUSER_SINGLE_PROCESS", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                        "NVFUSER_MASTER_ADDR", "NVFUSER_MASTER_PORT")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={layout.world_size}", "-m", "tpfuser.cli", *sys.argv[1:]]
+    cmd, env = torchrun_command(layout, sys.argv[1:], dict(os.environ))
     try:
         return subprocess.run(cmd, timeout=RUN_TIMEOUT_S, env=env).returncode
     except subprocess.TimeoutExpired:
