@@ -1,9 +1,9 @@
-"""The block forward as an nvFuser fusion, and the schedule that shards it.
+"""The block's forward and backward as nvFuser fusions, and the schedule that shards them.
 
-This is the one module that imports nvfuser_direct. `define_forward` writes
-the block on global (unsharded) shapes; `schedule` applies the dp x tp mesh
-from plan.PLACEMENTS; nvFuser propagates the sharding to the intermediates and
-inserts the collectives.
+This is the one module that imports nvfuser_direct. `define_forward` and
+`define_backward` write the block on global (unsharded) shapes; `schedule`
+applies the dp x tp mesh from plan.PLACEMENTS; nvFuser propagates the sharding
+to the intermediates and inserts the collectives.
 
 The c_attn weight the fusion takes has its rows ordered head by head
 ([h, 3, d] rather than nanoGPT's [3, h, d]; see shard.qkv_heads_interleaved),
