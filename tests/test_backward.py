@@ -4,12 +4,11 @@ import pytest
 import torch
 
 from tpfuser.config import Layout, preset
-from tpfuser.plan import PARAM_PLACEMENTS, PLACEMENTS
+from tpfuser.plan import PARAM_PLACEMENTS, placements
 from tpfuser.reference import PARAM_NAMES, make_block, make_input
 from tpfuser.shard import fusion_params, local_slice, simulate_tp_backward
 
-MESHES = [Layout(1, 1), Layout(1, 2), Layout(2, 1), Layout(2, 2), Layout(1, 8), Layout(2, 4)]
-MESH_IDS = [f"{m.dp}x{m.tp}" for m in MESHES]
+from tests.test_fusion import MESH_IDS, MESHES  # noqa: E402  (TP and SP meshes)
 
 
 def reference_grads(cfg, block, x, grad_out):
@@ -74,7 +73,7 @@ def test_backward_builds_and_is_sharded_as_planned(layout, dtype):
             continue
         mesh, axes = loop_sharding(tv)
         assert mesh == mesh_text(layout), name
-        assert axes == expected_loop(shapes[name], PLACEMENTS[name], layout), name
+        assert axes == expected_loop(shapes[name], placements(layout)[name], layout), name
 
 
 def test_schedule_options():
@@ -88,3 +87,40 @@ def test_schedule_options():
     assert loop_sharding(inputs_only.inputs["x"])[1][0] == ("mesh_y", 2)
     still_2d = build_backward(cfg, Layout(2, 2), ScheduleOptions(flat_dp1=True))   # dp > 1: the option does nothing
     assert loop_sharding(still_2d.inputs["x"])[0] == "DeviceMesh{{0 1}{2 3}}"
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_sp_simulation_equals_reference_float64(tp):
+    from tpfuser.shard import simulate_sp_backward, simulate_sp_forward
+    cfg = preset("tiny")
+    block = make_block(cfg, dtype=torch.float64)
+    x = make_input(cfg, dtype=torch.float64)
+    grad_out = make_input(cfg, seed=9, dtype=torch.float64)
+    out = torch.cat(simulate_sp_forward(x, block.state_dict(), cfg, tp), dim=1)
+    assert rel(out, block(x).detach()) < 1e-10
+    gx_ref, gp_ref = reference_grads(cfg, block, x, grad_out)
+    gx, rank_grads = simulate_sp_backward(x, grad_out, block.state_dict(), cfg, tp)
+    assert rel(torch.cat(gx, dim=1), gx_ref) < 1e-10
+    full = fusion_params(gp_ref, cfg)
+    layout = Layout(1, tp, sp=True)
+    for r in range(tp):
+        for name in PARAM_NAMES:
+            expected = local_slice(full[name], PARAM_PLACEMENTS[name], layout, r)
+            assert rel(rank_grads[r][name], expected) < 1e-10, (r, name)
+
+
+def test_sp_simulation_needs_the_tp_all_reduce_of_partial_grads():
+    """Without summing the LayerNorm gradients over the sequence slices, they are wrong."""
+    from tpfuser import shard
+    cfg = preset("tiny")
+    block = make_block(cfg, dtype=torch.float64)
+    x = make_input(cfg, dtype=torch.float64)
+    grad_out = make_input(cfg, seed=9, dtype=torch.float64)
+    _, gp_ref = reference_grads(cfg, block, x, grad_out)
+    saved = shard.SP_PARTIAL_GRADS
+    try:
+        shard.SP_PARTIAL_GRADS = ()
+        _, rank_grads = shard.simulate_sp_backward(x, grad_out, block.state_dict(), cfg, 2)
+    finally:
+        shard.SP_PARTIAL_GRADS = saved
+    assert rel(rank_grads[0]["ln_1.weight"], gp_ref["ln_1.weight"]) > 1e-3

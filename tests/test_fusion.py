@@ -6,11 +6,12 @@ import pytest
 
 from tpfuser.config import PRESETS, Layout, preset
 from tpfuser.fusion import build_forward, fusion_text, loop_sharding
-from tpfuser.plan import PLACEMENTS
+from tpfuser.plan import PLACEMENTS, placements
 from tpfuser.reference import PARAM_NAMES
 
 MESHES = [Layout(1, 1), Layout(1, 2), Layout(2, 1), Layout(2, 2), Layout(1, 8), Layout(2, 4)]
-MESH_IDS = [f"{m.dp}x{m.tp}" for m in MESHES]
+MESHES = MESHES + [Layout(m.dp, m.tp, sp=True) for m in MESHES]
+MESH_IDS = [f"{m.dp}x{m.tp}" + ("sp" if m.sp else "") for m in MESHES]
 
 
 def count(pattern, text):
@@ -74,7 +75,19 @@ def test_every_tensorview_is_sharded_as_planned(layout, dtype):
     for name, tv in named.items():
         mesh, axes = loop_sharding(tv)
         assert mesh == mesh_text(layout), name
-        assert axes == expected_loop(shapes[name], PLACEMENTS[name], layout), name
+        assert axes == expected_loop(shapes[name], placements(layout)[name], layout), name
+
+
+def test_sp_splits_the_sequence_of_the_replicated_region_only():
+    ff = build_forward(preset("tiny"), Layout(1, 4, sp=True), check=True)
+    assert loop_sharding(ff.inputs["x"])[1] == [("mesh_y", 1), ("", 4), ("mesh_x", 4), ("", 4), ("", 64)]
+    assert loop_sharding(ff.outputs["resid_mlp_keep"])[1][2] == ("mesh_x", 4)
+    assert loop_sharding(ff.inputs["attn.c_attn.weight"])[1][0] == ("mesh_x", 4)   # unchanged from TP
+
+
+def test_sp_rejects_indivisible_sequence():
+    with pytest.raises(ValueError, match="seq=16: must be divisible by tp=3 under sequence parallelism"):
+        build_forward(preset("tiny", n_head=6, n_embd=48), Layout(1, 3, sp=True))
 
 
 def test_sharded_build_rejects_indivisible_mesh():

@@ -25,6 +25,10 @@ if want tp; then
   grep -E "^rank" "$OUT/tp_dump.log" | cut -c1-300
   python3 tools/collectives.py "$OUT/tp_dump.log" tiny 1 2 fp32 > "$OUT/tp_collectives.json"
   grep -m3 -i "communication" "$OUT/tp_dump.log" | cut -c1-400
+  echo "== 3b. the same with sequence parallelism"
+  NVFUSER_DUMP=communication $T 120 torchrun --standalone --nproc-per-node 2 tools/two_ranks.py sp > "$OUT/sp_dump.log" 2>&1
+  python3 tools/collectives.py "$OUT/sp_dump.log" tiny 1 2 fp32 sp > "$OUT/sp_collectives.json"
+  grep -m3 -i "communication" "$OUT/sp_dump.log" | cut -c1-400
 fi
 
 want bench && echo "== 4. benchmark: nanogpt forward, nvFuser (1x1 mesh, and no mesh) vs eager vs torch.compile" && \

@@ -38,12 +38,14 @@ for case, digests in by_case.items():
         differ = all(digests[0][k] != digests[1][k] for k in digests[0])
         summary.setdefault("dp_masks_differ_across_ranks", {})[" ".join(map(str, case))] = differ
         rows.append((f"2x1 masks {' '.join(map(str, case))}", "differ across dp ranks" if differ else "SAME on both dp ranks"))
-path = os.path.join(out, "tp_collectives.json")
-if os.path.exists(path):
+for which in ("tp", "sp"):
+    path = os.path.join(out, f"{which}_collectives.json")
+    if not os.path.exists(path):
+        continue
     tp = json.load(open(path))
-    summary["tp_1x2_collectives"] = tp
+    summary[f"{which}_1x2_collectives"] = tp
     first = tp["posted"][0] if tp["posted"] else None
-    rows.append(("1x2 first collective", (f"{first['kind']} team {first['team']} {first['shapes']}" if first else "none seen")
+    rows.append((f"1x2 {which} first collective", (f"{first['kind']} team {first['team']} {first['shapes']}" if first else "none seen")
                  + f"; plan {tp['planned'][0]['kind']} over tp {tp['planned'][0]['shape']}: "
                  + ("match" if tp["first_matches_plan"] else "MISMATCH")))
 for which in ("nanogpt", "gpt3", "nanogpt_train"):

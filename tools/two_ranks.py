@@ -5,8 +5,9 @@
   tp: a 1x2 mesh; nvFuser posts its first tp collective before NCCL refuses
       two ranks on one GPU. Run with NVFUSER_DUMP=communication and parse the
       log with tools/collectives.py.
+  sp: the same with sequence parallelism (the first collective: an all-gather).
 
-Run: torchrun --standalone --nproc-per-node 2 tools/two_ranks.py dp|tp
+Run: torchrun --standalone --nproc-per-node 2 tools/two_ranks.py dp|tp|sp
 """
 import json
 import os
@@ -40,9 +41,9 @@ if mode == "dp":
         results.append(r)
     with open(os.path.join(out_dir, f"dp_rank{rank}.json"), "w") as f:
         json.dump(results, f, indent=1)
-elif mode == "tp":
+elif mode in ("tp", "sp"):
     try:
-        check_forward(preset("tiny", dtype="fp32", dropout=0.0), Layout(1, 2), rank, "tiny")
+        check_forward(preset("tiny", dtype="fp32", dropout=0.0), Layout(1, 2, sp=mode == "sp"), rank, "tiny")
         print(f"rank {rank}: tp run finished (unexpected on one GPU)", flush=True)
     except Exception as e:
         print(f"rank {rank}: stopped as expected: {str(e).splitlines()[0][:200]}", flush=True)

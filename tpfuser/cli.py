@@ -25,11 +25,12 @@ def _block_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dropout", type=float, default=None, help="default: the preset's")
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--sp", action="store_true", help="add sequence parallelism over the tp axis")
 
 
 def _cfg(args):
     overrides = {k: v for k, v in (("dtype", args.dtype), ("dropout", args.dropout)) if v is not None}
-    return preset(args.preset, **overrides), Layout(args.dp, args.tp)
+    return preset(args.preset, **overrides), Layout(args.dp, args.tp, args.sp)
 
 
 def cmd_show(args) -> int:

@@ -73,16 +73,23 @@ def preset(name: str, **overrides) -> BlockConfig:
 @dataclass(frozen=True)
 class Layout:
     """The parallel layout: a dp x tp device mesh (data parallel on mesh_y,
-    tensor parallel on mesh_x)."""
+    tensor parallel on mesh_x); sp adds sequence parallelism over the tp axis
+    (Korthikanti et al., 2022) to the regions tensor parallelism replicates."""
 
     dp: int = 1
     tp: int = 1
+    sp: bool = False
 
     def __post_init__(self):
         for name in ("dp", "tp"):
             value = getattr(self, name)
             _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
                      name, value, "must be a positive int")
+        _require(isinstance(self.sp, bool), "sp", self.sp, "must be a bool")
+
+    @property
+    def name(self) -> str:
+        return f"{self.dp}x{self.tp}" + (" sp" if self.sp else "")
 
     @property
     def world_size(self) -> int:
@@ -102,3 +109,6 @@ class Layout:
                  f"must be divisible by tp={self.tp} (the MLP hidden is split over tp)")
         _require(cfg.batch % self.dp == 0, "batch", cfg.batch,
                  f"must be divisible by dp={self.dp} (the batch is split over dp)")
+        if self.sp:
+            _require(cfg.seq % self.tp == 0, "seq", cfg.seq,
+                     f"must be divisible by tp={self.tp} under sequence parallelism (the sequence is split over tp)")

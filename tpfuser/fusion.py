@@ -2,7 +2,7 @@
 
 This is the one module that imports nvfuser_direct. `define_forward` and
 `define_backward` write the block on global (unsharded) shapes; `schedule`
-applies the dp x tp mesh from plan.PLACEMENTS; nvFuser propagates the sharding
+applies the dp x tp mesh from plan.placements; nvFuser propagates the sharding
 to the intermediates and inserts the collectives.
 
 The c_attn weight the fusion takes has its rows ordered head by head
@@ -46,14 +46,18 @@ import nvfuser_direct as nvf  # noqa: E402
 from nvfuser_direct import DataType, FusionDefinition, ParallelType  # noqa: E402
 
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.plan import DP, TP, PLACEMENTS, saved_specs
+from tpfuser.plan import DP, TP, placements, saved_specs
 from tpfuser.reference import LN_EPS, PARAM_NAMES, param_shapes
 
 _NV_DTYPE = {torch.bfloat16: DataType.BFloat16, torch.float32: DataType.Float}
 _MESH_AXIS = {DP: ParallelType.mesh_y, TP: ParallelType.mesh_x}
 
-# Each dropout draws from its own philox stream: rng_offset + this number.
-RNG_STREAMS = {"resid_attn": 0, "resid_mlp": 1, "attn": 2}
+# Each dropout draws from its own philox stream: (offset input, + this number).
+# The fusion takes two offsets: "resid" for the masks of the residual region
+# (replicated over tp under tensor parallelism, so every tp rank draws the same
+# ones) and "tp" for the masks inside the tp region (attention probabilities: each
+# tp rank its own heads, so its own stream). runtime.rank_rng_offsets picks them.
+RNG_STREAMS = {"resid_attn": ("resid", 0), "resid_mlp": ("resid", 1), "attn": ("tp", 0)}
 
 
 @dataclass
@@ -65,7 +69,7 @@ class ForwardFusion:
     check: bool
     inputs: dict = field(default_factory=dict)    # name -> TensorView (x, params)
     outputs: dict = field(default_factory=dict)   # name -> TensorView, in output order
-    has_rng: bool = False                          # takes (rng_seed, rng_offset) after the tensors
+    has_rng: bool = False   # takes (rng_seed, resid offset, tp offset) after the tensors
 
 
 def _bcast_rows(fd, t, b, s, e):
@@ -97,11 +101,18 @@ def _gelu_tanh(fd, x):
                       fd.ops.add(fd.ops.tanh(fd.ops.mul(inner, math.sqrt(2.0 / math.pi))), 1.0))
 
 
-def _keep_mask(fd, shape, p, rng_seed, rng_offset, stream):
-    """Bernoulli(1 - p) keep-mask from philox(rng_seed, rng_offset + stream)."""
-    offset = fd.ops.add(rng_offset, fd.define_scalar(RNG_STREAMS[stream], dtype=DataType.Int))
+def _rng_scalars(fd):
+    """The fusion's dropout inputs: seed, and the offsets of the two regions (RNG_STREAMS)."""
+    return {"seed": fd.define_scalar(dtype=DataType.Int), "resid": fd.define_scalar(dtype=DataType.Int),
+            "tp": fd.define_scalar(dtype=DataType.Int)}
+
+
+def _keep_mask(fd, shape, p, rng, stream):
+    """Bernoulli(1 - p) keep-mask from philox(seed, region offset + stream number)."""
+    region, number = RNG_STREAMS[stream]
+    offset = fd.ops.add(rng[region], fd.define_scalar(number, dtype=DataType.Int))
     u = fd.ops.uniform(fd.define_scalar(0.0, dtype=DataType.Double), fd.define_scalar(1.0, dtype=DataType.Double),
-                       shape=shape, rng_seed=rng_seed, rng_offset=offset, dtype=DataType.Float)
+                       shape=shape, rng_seed=rng["seed"], rng_offset=offset, dtype=DataType.Float)
     return fd.ops.lt(u, fd.define_scalar(1.0 - p, dtype=DataType.Double))
 
 
@@ -129,7 +140,7 @@ def _causal_attention(fd, q, k, v, cfg, p, rng, outputs):
     b, h, s = cfg.batch, cfg.n_head, cfg.seq
     probs = _causal_probs(fd, q, k, cfg)
     if p > 0:
-        keep = _keep_mask(fd, [b, h, s, s], p, *rng, "attn")
+        keep = _keep_mask(fd, [b, h, s, s], p, rng, "attn")
         outputs["attn_keep"] = keep
         probs = _dropout(fd, probs, keep, p)
     return fd.ops.matmul(probs, v)  # (b, h, s, d)
@@ -154,7 +165,7 @@ def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, 
     """Define the block forward on global shapes inside `fd` (not yet sharded).
 
     Inputs: x [b, s, e], then the parameters in PARAM_NAMES order, then, when
-    cfg.dropout > 0, the scalars rng_seed and rng_offset. Outputs: out [b, s, e];
+    cfg.dropout > 0, the scalars rng_seed and the two region offsets (RNG_STREAMS). Outputs: out [b, s, e];
     with check=True also the keep-masks of every dropout drawn in the fusion;
     with train=True also what the backward needs (saved_names).
     """
@@ -167,7 +178,7 @@ def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, 
     for name in PARAM_NAMES:
         ff.inputs[name] = fd.define_tensor(shape=list(shapes[name]), contiguity=True, dtype=dtype)
     w = ff.inputs
-    rng = (fd.define_scalar(dtype=DataType.Int), fd.define_scalar(dtype=DataType.Int)) if p > 0 else None
+    rng = _rng_scalars(fd) if p > 0 else None
     masks, saved = {}, {}
 
     x = fd.ops.cast(w["x"], DataType.Float)
@@ -190,7 +201,7 @@ def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, 
     attn_out = fd.ops.add(fd.ops.cast(fd.ops.linear(y, w["attn.c_proj.weight"]), DataType.Float),
                           fd.ops.cast(w["attn.c_proj.bias"], DataType.Float))
     if p > 0:
-        masks["resid_attn_keep"] = _keep_mask(fd, [b, s, e], p, *rng, "resid_attn")
+        masks["resid_attn_keep"] = _keep_mask(fd, [b, s, e], p, rng, "resid_attn")
         attn_out = _dropout(fd, attn_out, masks["resid_attn_keep"], p)
     x = saved["x1"] = fd.ops.add(x, attn_out)
 
@@ -201,7 +212,7 @@ def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, 
     mlp_out = fd.ops.add(fd.ops.cast(fd.ops.linear(mlp_hidden, w["mlp.c_proj.weight"]), DataType.Float),
                          fd.ops.cast(w["mlp.c_proj.bias"], DataType.Float))
     if p > 0:
-        masks["resid_mlp_keep"] = _keep_mask(fd, [b, s, e], p, *rng, "resid_mlp")
+        masks["resid_mlp_keep"] = _keep_mask(fd, [b, s, e], p, rng, "resid_mlp")
         mlp_out = _dropout(fd, mlp_out, masks["resid_mlp_keep"], p)
     out = fd.ops.cast(fd.ops.add(x, mlp_out), dtype)
 
@@ -245,16 +256,17 @@ def _apply_placement(tv, placement, layout):
 
 
 def schedule(ff, layout: Layout, options: ScheduleOptions = ScheduleOptions()) -> None:
-    """Put every input (and output) on the dp x tp mesh and split it as plan.PLACEMENTS says.
+    """Put every input (and output) on the dp x tp mesh and split it as plan.placements(layout) says.
 
     Must run inside the `with FusionDefinition()` block, after define_forward or define_backward.
     """
     mesh = make_mesh(layout, options)
+    where = placements(layout)
     flat = options.flat_dp1 and layout.dp == 1
     named = list(ff.inputs.items()) + (list(ff.outputs.items()) if options.outputs else [])
     for name, tv in named:
         tv.set_device_mesh(mesh)
-        placement = PLACEMENTS[name]
+        placement = where[name]
         if flat:
             placement = {dim: axis for dim, axis in placement.items() if axis != DP}
         _apply_placement(tv, placement, layout)
@@ -362,7 +374,7 @@ def _causal_attention_backward(fd, gy, q, k, v, cfg, p, rng):
     probs = _causal_probs(fd, q, k, cfg)                                      # (b, h, s, s)
     dropped = probs
     if p > 0:
-        keep = _keep_mask(fd, [b, h, s, s], p, *rng, "attn")
+        keep = _keep_mask(fd, [b, h, s, s], p, rng, "attn")
         dropped = _dropout(fd, probs, keep, p)
     grad_v = fd.ops.matmul(fd.ops.permute(dropped, dims=[0, 1, 3, 2]), gy)    # (b, h, s, d)
     grad_dropped = fd.ops.matmul(gy, fd.ops.permute(v, dims=[0, 1, 3, 2]))   # (b, h, s, s)
@@ -379,7 +391,7 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig) -> BackwardFusion:
     """The block's backward on global shapes.
 
     Inputs: grad_out [b, s, e], x, the parameters (PARAM_NAMES order), the saved
-    tensors (saved_names order), then rng_seed and rng_offset when dropout > 0:
+    tensors (saved_names order), then the forward's dropout scalars when dropout > 0:
     the residual (and fp32 attention) masks are drawn again from them; flash
     attention's own dropout is replayed by sdpfa_bwd from its saved philox state.
     Outputs: grad_x, then the gradient of every parameter in PARAM_NAMES order.
@@ -395,12 +407,12 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig) -> BackwardFusion:
     for name, (shape, kind) in saved_specs(cfg).items():
         bf.inputs[name] = fd.define_tensor(shape=list(shape), contiguity=True, dtype=nv[kind])
     w = bf.inputs
-    rng = (fd.define_scalar(dtype=DataType.Int), fd.define_scalar(dtype=DataType.Int)) if p > 0 else None
+    rng = _rng_scalars(fd) if p > 0 else None
     grads = {}
 
     g = fd.ops.cast(w["grad_out"], DataType.Float)
     # MLP branch: out = x1 + dropout(gelu(ln_2(x1) W_fc^T + b_fc) W_proj^T + b_proj)
-    g_mlp = _dropout(fd, g, _keep_mask(fd, [b, s, e], p, *rng, "resid_mlp"), p) if p > 0 else g
+    g_mlp = _dropout(fd, g, _keep_mask(fd, [b, s, e], p, rng, "resid_mlp"), p) if p > 0 else g
     grads["mlp.c_proj.bias"] = _sum_rows(fd, g_mlp)
     h_pre = fd.ops.cast(w["mlp_h"], DataType.Float)                        # (b, s, 4e)
     g_mlp = fd.ops.cast(g_mlp, dtype)
@@ -419,7 +431,7 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig) -> BackwardFusion:
     g_x1 = fd.ops.add(g, g_x1)                                              # (b, s, e)
 
     # Attention branch: x1 = x + dropout(attn(ln_1(x)) W_proj^T + b_proj)
-    g_attn = _dropout(fd, g_x1, _keep_mask(fd, [b, s, e], p, *rng, "resid_attn"), p) if p > 0 else g_x1
+    g_attn = _dropout(fd, g_x1, _keep_mask(fd, [b, s, e], p, rng, "resid_attn"), p) if p > 0 else g_x1
     grads["attn.c_proj.bias"] = _sum_rows(fd, g_attn)
     q, k, v = _split_heads(fd, w["qkv"], cfg)                              # (b, h, s, d)
     g_attn = fd.ops.cast(g_attn, dtype)

@@ -73,9 +73,10 @@ def saved_bytes_per_rank(cfg: BlockConfig, layout: Layout) -> int:
     sizes = {"block": cfg.torch_dtype.itemsize, "f32": 4, "u64": 8}
     total = 0
     specs = saved_specs(cfg) | {"x": ((cfg.batch, cfg.seq, cfg.n_embd), "block")}
+    where = placements(layout)
     for name, (shape, dtype) in specs.items():
         n = 1
-        for dim in local_shape(shape, PLACEMENTS[name], layout):
+        for dim in local_shape(shape, where[name], layout):
             n *= dim
         total += n * sizes[dtype]
     return total
@@ -94,6 +95,18 @@ GRAD_PLACEMENTS: dict[str, Placement] = {
 PLACEMENTS: dict[str, Placement] = {**PARAM_PLACEMENTS, **ACTIVATION_PLACEMENTS, **SAVED_PLACEMENTS,
                                     **GRAD_PLACEMENTS}
 
+# Sequence parallelism: what tensor parallelism replicates over tp (the block's
+# input and output, LayerNorms, residuals, residual dropouts) is split on the
+# sequence over tp instead. Inside attention and the MLP nothing changes.
+SP_OVERRIDES: dict[str, Placement] = {
+    name: {0: DP, 1: TP} for name in ("x", "out", "resid_attn_keep", "resid_mlp_keep", "ln_1.mean", "ln_1.rstd",
+                                      "x1", "ln_2.mean", "ln_2.rstd", "grad_out", "grad_x")}
+
+
+def placements(layout: Layout) -> dict[str, Placement]:
+    """Every named tensor's placement under this layout's parallelism."""
+    return {**PLACEMENTS, **SP_OVERRIDES} if layout.sp else PLACEMENTS
+
 
 def local_shape(shape: tuple[int, ...], placement: Placement, layout: Layout) -> tuple[int, ...]:
     sizes = {DP: layout.dp, TP: layout.tp}
@@ -107,27 +120,44 @@ def local_shape(shape: tuple[int, ...], placement: Placement, layout: Layout) ->
 
 @dataclass(frozen=True)
 class Collective:
-    kind: str          # "allreduce"
-    axis: str          # mesh axis of the team
-    where: str         # which op's output it reduces
-    shape: tuple[int, ...]  # per-rank tensor shape
+    kind: str               # "allreduce", "allgather" or "reducescatter"
+    axis: str               # mesh axis of the team
+    where: str              # "after <op>" or "before <op>"
+    shape: tuple[int, ...]  # the tensor unsharded over the team (per dp rank)
     dtype_bytes: int
+    team: int               # ranks in the team
 
     @property
     def bytes_per_rank(self) -> int:
+        """Size of the tensor the collective produces (all-reduce, all-gather) or consumes (reduce-scatter)."""
         n = 1
         for d in self.shape:
             n *= d
         return n * self.dtype_bytes
 
+    @property
+    def wire_bytes_per_rank(self) -> int:
+        """What each rank sends with ring algorithms: 2(n-1)/n of the tensor for an
+        all-reduce, (n-1)/n for an all-gather or a reduce-scatter."""
+        factor = 2 if self.kind == "allreduce" else 1
+        return factor * (self.team - 1) * self.bytes_per_rank // self.team
+
 
 def collectives(cfg: BlockConfig, layout: Layout) -> list[Collective]:
-    """The tp all-reduces of the forward; none over dp. With tp == 1 the
-    all-reduces are over a team of one and move nothing."""
+    """The forward's collectives over tp, in order; none over dp. Tensor
+    parallel: an all-reduce after each row-parallel linear. Sequence parallel:
+    an all-gather of the sequence before each column-parallel linear and a
+    reduce-scatter after each row-parallel one (the same bytes on the wire).
+    With tp == 1 the teams have one rank and move nothing."""
     b, s, e = cfg.batch // layout.dp, cfg.seq, cfg.n_embd
-    nbytes = cfg.torch_dtype.itemsize
-    return [Collective("allreduce", TP, "attn.c_proj", (b, s, e), nbytes),
-            Collective("allreduce", TP, "mlp.c_proj", (b, s, e), nbytes)]
+    nbytes, tp = cfg.torch_dtype.itemsize, layout.tp
+    if not layout.sp:
+        return [Collective("allreduce", TP, "after attn.c_proj", (b, s, e), nbytes, tp),
+                Collective("allreduce", TP, "after mlp.c_proj", (b, s, e), nbytes, tp)]
+    return [Collective("allgather", TP, "before attn.c_attn", (b, s, e), nbytes, tp),
+            Collective("reducescatter", TP, "after attn.c_proj", (b, s, e), nbytes, tp),
+            Collective("allgather", TP, "before mlp.c_fc", (b, s, e), nbytes, tp),
+            Collective("reducescatter", TP, "after mlp.c_proj", (b, s, e), nbytes, tp)]
 
 
 def forward_flops(cfg: BlockConfig, layout: Layout = Layout()) -> dict[str, int]:

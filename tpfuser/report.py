@@ -4,8 +4,9 @@ Pure Python: it needs neither a GPU nor nvFuser."""
 from __future__ import annotations
 
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.plan import (ACTIVATION_PLACEMENTS, PARAM_PLACEMENTS, collectives, forward_flops, local_shape,
-                          saved_bytes_per_rank)
+import dataclasses
+
+from tpfuser.plan import collectives, forward_flops, local_shape, placements, saved_bytes_per_rank
 from tpfuser.reference import PARAM_NAMES, param_shapes
 
 
@@ -24,28 +25,34 @@ def plan_report(cfg: BlockConfig, layout: Layout, preset_name: str = "") -> dict
     layout.check(cfg)
     nbytes = cfg.torch_dtype.itemsize
     tensors = []
-    for kind, shapes, placements in (("input", {"x": activation_shapes(cfg)["x"]}, ACTIVATION_PLACEMENTS),
-                                     ("param", param_shapes(cfg), PARAM_PLACEMENTS),
-                                     ("output", {k: v for k, v in activation_shapes(cfg).items() if k != "x"},
-                                      ACTIVATION_PLACEMENTS)):
+    where = placements(layout)
+    for kind, shapes in (("input", {"x": activation_shapes(cfg)["x"]}),
+                         ("param", param_shapes(cfg)),
+                         ("output", {k: v for k, v in activation_shapes(cfg).items() if k != "x"})):
         for name, shape in shapes.items():
-            placement = placements[name]
+            placement = where[name]
             tensors.append({
                 "name": name, "kind": kind, "global_shape": list(shape),
                 "local_shape": list(local_shape(shape, placement, layout)),
                 "sharding": {str(dim): axis for dim, axis in sorted(placement.items())},
             })
     param_bytes = sum(_numel(t["local_shape"]) * nbytes for t in tensors if t["kind"] == "param")
-    colls = [{"kind": c.kind, "axis": c.axis, "after": c.where, "shape": list(c.shape),
-              "bytes_per_rank": c.bytes_per_rank} for c in collectives(cfg, layout)]
+    colls = [{"kind": c.kind, "axis": c.axis, "where": c.where, "shape": list(c.shape),
+              "bytes_per_rank": c.bytes_per_rank, "wire_bytes_per_rank": c.wire_bytes_per_rank}
+             for c in collectives(cfg, layout)]
+    saved = {"tp": saved_bytes_per_rank(cfg, dataclasses.replace(layout, sp=False))}
+    if cfg.seq % layout.tp == 0:
+        saved["tp+sp"] = saved_bytes_per_rank(cfg, dataclasses.replace(layout, sp=True))
     return {
-        "preset": preset_name, "config": {**cfg.__dict__}, "mesh": {"dp": layout.dp, "tp": layout.tp},
+        "preset": preset_name, "config": {**cfg.__dict__},
+        "mesh": {"dp": layout.dp, "tp": layout.tp}, "parallelism": "tp+sp" if layout.sp else "tp",
         "tensors": tensors,
         "collectives": colls,
         "collectives_over_dp": 0,
         "flops_per_rank": forward_flops(cfg, layout),
         "param_bytes_per_rank": param_bytes,
         "saved_for_backward_bytes_per_rank": saved_bytes_per_rank(cfg, layout),
+        "saved_for_backward_bytes_per_rank_by_parallelism": saved,
     }
 
 
@@ -66,19 +73,22 @@ def _fmt_bytes(n: int) -> str:
 
 def format_plan(rep: dict) -> str:
     m = rep["mesh"]
-    lines = [f"{rep['preset'] or 'block'} on a {m['dp']} x {m['tp']} mesh (dp on mesh_y, tp on mesh_x)", ""]
+    par = "tensor + sequence parallel" if rep["parallelism"] == "tp+sp" else "tensor parallel"
+    lines = [f"{rep['preset'] or 'block'} on a {m['dp']} x {m['tp']} mesh (dp on mesh_y, tp on mesh_x), {par}", ""]
     lines.append(f"{'tensor':<22}{'global':<22}{'per rank':<22}sharding")
     for t in rep["tensors"]:
         shard = ", ".join(f"dim {d} over {a}" for d, a in t["sharding"].items()) or "replicated"
         lines.append(f"{t['name']:<22}{str(tuple(t['global_shape'])):<22}{str(tuple(t['local_shape'])):<22}{shard}")
     lines += ["", "collectives nvFuser inserts (forward):"]
     for c in rep["collectives"]:
-        lines.append(f"  {c['kind']} over {c['axis']} after {c['after']}: {tuple(c['shape'])}, "
-                     f"{_fmt_bytes(c['bytes_per_rank'])} per rank" + ("  (team of one: no traffic)" if m["tp"] == 1 else ""))
+        lines.append(f"  {c['kind']} over {c['axis']} {c['where']}: {tuple(c['shape'])}, "
+                     f"{_fmt_bytes(c['bytes_per_rank'])}, {_fmt_bytes(c['wire_bytes_per_rank'])} sent per rank"
+                     + ("  (team of one: no traffic)" if m["tp"] == 1 else ""))
     lines.append(f"  none over dp")
     f = rep["flops_per_rank"]
-    lines += ["", f"matmul FLOPs per rank: {f['total'] / 1e9:.2f} GFLOP "
-              f"({', '.join(f'{k} {v / 1e9:.2f}' for k, v in f.items() if k != 'total')})",
+    lines += ["", f"matmul FLOPs per rank: {f['total'] / 1e9:.3g} GFLOP "
+              f"({', '.join(f'{k} {v / 1e9:.3g}' for k, v in f.items() if k != 'total')})",
               f"parameter bytes per rank: {_fmt_bytes(rep['param_bytes_per_rank'])}",
-              f"saved for backward per rank (training): {_fmt_bytes(rep['saved_for_backward_bytes_per_rank'])}"]
+              "saved for backward per rank (training): "
+              + ", ".join(f"{_fmt_bytes(v)} under {k}" for k, v in rep["saved_for_backward_bytes_per_rank_by_parallelism"].items())]
     return "\n".join(lines)

@@ -16,7 +16,7 @@ import torch
 
 from tpfuser.config import BlockConfig, Layout
 from tpfuser.fusion import RNG_STREAMS, ScheduleOptions, build_backward, build_forward, communicator, saved_names
-from tpfuser.plan import ACTIVATION_PLACEMENTS, PARAM_PLACEMENTS, PLACEMENTS, local_shape
+from tpfuser.plan import PARAM_PLACEMENTS, local_shape, placements
 from tpfuser.reference import PARAM_NAMES, param_shapes
 from tpfuser.shard import fusion_params, local_slice, rank_params
 
@@ -26,20 +26,27 @@ from tpfuser.shard import fusion_params, local_slice, rank_params
 RNG_OFFSET_LIMIT = 1 << 31
 
 
-def rank_rng_offset(rng_offset: int, dp: int, dp_rank: int) -> int:
-    """The fusion's base philox offset for this rank.
+def rank_rng_offsets(rng_offset: int, layout: Layout, dp_rank: int, tp_rank: int) -> tuple[int, int]:
+    """This rank's philox offsets for the fusion's two dropout regions (fusion.RNG_STREAMS).
 
-    Each (user offset, dp rank) pair gets its own block of len(RNG_STREAMS)
-    offsets, so that data-parallel replicas do not drop the same positions of
-    their batch slices and no two streams ever share a philox counter. Tp ranks
-    share the block: Megatron replicates those masks over tp."""
+    Each (user offset, dp rank, tp rank) owns a block of 3 counters: the two
+    residual streams, then the attention-probability stream. The residual masks
+    come from tp rank 0's block on every tp rank under tensor parallelism
+    (Megatron replicates them) and from the rank's own block under sequence
+    parallelism (each rank drops its own part of the sequence). Attention
+    dropout always uses the rank's own block: each tp rank draws for its own
+    heads. Data-parallel replicas never share a block."""
     if not isinstance(rng_offset, int) or rng_offset < 0:
         raise ValueError(f"rng_offset={rng_offset!r}: must be a non-negative int")
-    base = (rng_offset * dp + dp_rank) * len(RNG_STREAMS)
-    if base + len(RNG_STREAMS) > RNG_OFFSET_LIMIT:
-        raise ValueError(f"rng_offset={rng_offset}: must be below {RNG_OFFSET_LIMIT // (dp * len(RNG_STREAMS))} "
-                         f"for dp={dp} (the fusion's philox offsets are 32-bit)")
-    return base
+    n, per_offset = len(RNG_STREAMS), layout.dp * layout.tp * len(RNG_STREAMS)
+    if (rng_offset + 1) * per_offset > RNG_OFFSET_LIMIT:
+        raise ValueError(f"rng_offset={rng_offset}: must be below {RNG_OFFSET_LIMIT // per_offset} "
+                         f"for a {layout.dp}x{layout.tp} mesh (the fusion's philox offsets are 32-bit)")
+
+    def block(tp_index: int) -> int:
+        return ((rng_offset * layout.dp + dp_rank) * layout.tp + tp_index) * n
+
+    return block(tp_rank if layout.sp else 0), block(tp_rank) + 2
 
 
 def check_world(layout: Layout, world_size: int, local_gpus: Optional[int] = None, local_ranks: Optional[int] = None) -> None:
@@ -49,6 +56,7 @@ def check_world(layout: Layout, world_size: int, local_gpus: Optional[int] = Non
                          f"launch exactly {layout.world_size} ranks")
     if local_gpus is not None and local_ranks is not None and local_ranks > local_gpus:
         raise ValueError(f"{local_ranks} ranks on this node but only {local_gpus} CUDA device(s) visible")
+
 
 
 class ShardedBlock:
@@ -102,15 +110,15 @@ class ShardedBlock:
     # -- activations ------------------------------------------------------
     def input_shape(self) -> tuple[int, ...]:
         cfg = self.cfg
-        return local_shape((cfg.batch, cfg.seq, cfg.n_embd), ACTIVATION_PLACEMENTS["x"], self.layout)
+        return local_shape((cfg.batch, cfg.seq, cfg.n_embd), placements(self.layout)["x"], self.layout)
 
     def shard_input(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a global input, on this rank's device."""
-        return local_slice(x, ACTIVATION_PLACEMENTS["x"], self.layout, self.rank).to(self.device, self.cfg.torch_dtype)
+        return local_slice(x, placements(self.layout)["x"], self.layout, self.rank).to(self.device, self.cfg.torch_dtype)
 
     def shard_output(self, t: torch.Tensor, name: str = "out") -> torch.Tensor:
         """This rank's slice of a global output (for checking against a reference)."""
-        return local_slice(t, ACTIVATION_PLACEMENTS[name], self.layout, self.rank)
+        return local_slice(t, placements(self.layout)[name], self.layout, self.rank)
 
     def _validate(self, name: str, t, shape: tuple[int, ...]) -> None:
         if not isinstance(t, torch.Tensor):
@@ -131,7 +139,7 @@ class ShardedBlock:
             return []
         if not isinstance(rng_seed, int) or not 0 <= rng_seed < RNG_OFFSET_LIMIT:
             raise ValueError(f"rng_seed={rng_seed!r}: must be an int in [0, 2**31)")
-        return [rng_seed, rank_rng_offset(rng_offset, self.layout.dp, self.dp_rank)]
+        return [rng_seed, *rank_rng_offsets(rng_offset, self.layout, self.dp_rank, self.tp_rank)]
 
     def _checked_params(self, params) -> list[torch.Tensor]:
         if params is None:
@@ -182,7 +190,7 @@ def world() -> tuple[int, int]:
 
 
 def gather_output(local: torch.Tensor, layout: Layout, name: str = "out", group=None) -> torch.Tensor:
-    """Every rank's shard of a tensor named in plan.PLACEMENTS (an output, a
+    """Every rank's shard of a tensor named in plan.placements (an output, a
     parameter or its gradient), reassembled into the global tensor on
     every rank (for checking; it moves the whole tensor). Uses torch.distributed
     (any backend; the shards travel through the CPU), which the caller
@@ -197,7 +205,7 @@ def gather_output(local: torch.Tensor, layout: Layout, name: str = "out", group=
         raise ValueError(f"world size {dist.get_world_size(group)} != dp*tp = {layout.world_size}")
     shards: list = [None] * layout.world_size
     dist.all_gather_object(shards, local.detach().cpu(), group=group)
-    return gather(shards, PLACEMENTS[name], layout)
+    return gather(shards, placements(layout)[name], layout)
 
 
 

@@ -215,3 +215,90 @@ def simulate_tp_backward(x, grad_out, state, cfg: BlockConfig, tp: int):
         if r == 0:
             grad_x = g_x1 + g
     return grad_x, grads
+
+
+# ---------------------------------------------------------------------------
+# Sequence parallelism (tp ranks hold sequence slices outside attention and the
+# MLP): all-gather of the sequence before the column-parallel linears,
+# reduce-scatter after the row-parallel ones; backward the other way round.
+
+def _seq_slices(t: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    from tpfuser.plan import placements
+    return [local_slice(t, placements(layout)["x"], layout, r) for r in range(layout.tp)]
+
+
+def _all_gather_seq(slices: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(slices, dim=1)
+
+
+def _reduce_scatter_seq(partials: list[torch.Tensor]) -> list[torch.Tensor]:
+    return list(sum(partials).chunk(len(partials), dim=1))
+
+
+def simulate_sp_forward(x, state, cfg: BlockConfig, tp: int) -> list[torch.Tensor]:
+    """The forward (no dropout) as tp sequence-parallel ranks compute it: each
+    rank's output slice [b, s/tp, e], from its input slice and its shards."""
+    layout = Layout(dp=1, tp=tp, sp=True)
+    layout.check(cfg)
+    fparams = fusion_params(state, cfg)
+    ranks = [dict(zip(PARAM_NAMES, rank_params(fparams, layout, r))) for r in range(tp)]
+    xs = _seq_slices(x, layout)
+    ln_1 = _all_gather_seq([_layer_norm(x_r, w["ln_1.weight"], w["ln_1.bias"]) for x_r, w in zip(xs, ranks)])
+    attn = _reduce_scatter_seq([_rank_attention(ln_1, w, cfg, tp) for w in ranks])
+    x1 = [x_r + a_r + w["attn.c_proj.bias"] for x_r, a_r, w in zip(xs, attn, ranks)]
+    ln_2 = _all_gather_seq([_layer_norm(t, w["ln_2.weight"], w["ln_2.bias"]) for t, w in zip(x1, ranks)])
+    mlp = _reduce_scatter_seq([_rank_mlp(ln_2, w) for w in ranks])
+    return [t + m + w["mlp.c_proj.bias"] for t, m, w in zip(x1, mlp, ranks)]
+
+
+def simulate_sp_backward(x, grad_out, state, cfg: BlockConfig, tp: int):
+    """The backward (no dropout) under sequence parallelism: (each rank's grad_x
+    slice, each rank's parameter-gradient shards). Gradients of the parameters
+    used on sequence slices (LayerNorms, row-parallel biases) are partial per
+    rank and summed over tp (an all-reduce)."""
+    layout = Layout(dp=1, tp=tp, sp=True)
+    layout.check(cfg)
+    fparams = fusion_params(state, cfg)
+    ranks = [dict(zip(PARAM_NAMES, rank_params(fparams, layout, r))) for r in range(tp)]
+    xs, gs = _seq_slices(x, layout), _seq_slices(grad_out, layout)
+    # Forward activations (recomputed as the fusion's backward does).
+    ln_1 = _all_gather_seq([_layer_norm(x_r, w["ln_1.weight"], w["ln_1.bias"]) for x_r, w in zip(xs, ranks)])
+    attn = _reduce_scatter_seq([_rank_attention(ln_1, w, cfg, tp) for w in ranks])
+    x1 = [x_r + a_r + w["attn.c_proj.bias"] for x_r, a_r, w in zip(xs, attn, ranks)]
+    ln_2 = _all_gather_seq([_layer_norm(t, w["ln_2.weight"], w["ln_2.bias"]) for t, w in zip(x1, ranks)])
+
+    grads = [{} for _ in range(tp)]
+    g_full = _all_gather_seq(gs)                               # backward of the reduce-scatter
+    partial_ln_2 = []
+    for r, w in enumerate(ranks):
+        hid = ln_2 @ w["mlp.c_fc.weight"].T + w["mlp.c_fc.bias"]
+        g_h = (g_full @ w["mlp.c_proj.weight"]) * _gelu_tanh_grad(hid)
+        grads[r]["mlp.c_proj.weight"] = g_full.reshape(-1, cfg.n_embd).T @ gelu_tanh(hid).reshape(-1, hid.shape[-1])
+        grads[r]["mlp.c_proj.bias"] = gs[r].sum((0, 1))
+        grads[r]["mlp.c_fc.weight"] = g_h.reshape(-1, g_h.shape[-1]).T @ ln_2.reshape(-1, cfg.n_embd)
+        grads[r]["mlp.c_fc.bias"] = g_h.sum((0, 1))
+        partial_ln_2.append(g_h @ w["mlp.c_fc.weight"])
+    g_x1 = []
+    for r, (g_ln_2, w) in enumerate(zip(_reduce_scatter_seq(partial_ln_2), ranks)):
+        g, grads[r]["ln_2.weight"], grads[r]["ln_2.bias"] = _layer_norm_backward(g_ln_2, x1[r], w["ln_2.weight"])
+        g_x1.append(gs[r] + g)
+    g_x1_full = _all_gather_seq(g_x1)
+    partial_ln_1 = []
+    for r, w in enumerate(ranks):
+        rank_grads, partial = _rank_attention_backward(g_x1_full, ln_1, w, cfg, tp)
+        grads[r].update(rank_grads)
+        grads[r]["attn.c_proj.bias"] = g_x1[r].sum((0, 1))
+        partial_ln_1.append(partial)
+    grad_x = []
+    for r, (g_ln_1, w) in enumerate(zip(_reduce_scatter_seq(partial_ln_1), ranks)):
+        g, grads[r]["ln_1.weight"], grads[r]["ln_1.bias"] = _layer_norm_backward(g_ln_1, xs[r], w["ln_1.weight"])
+        grad_x.append(g_x1[r] + g)
+    for name in SP_PARTIAL_GRADS:                              # the all-reduce over tp
+        total = sum(g[name] for g in grads)
+        for g in grads:
+            g[name] = total
+    return grad_x, grads
+
+
+# Parameters applied to sequence slices under SP: their gradients are partial per tp rank.
+SP_PARTIAL_GRADS = ("ln_1.weight", "ln_1.bias", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_proj.bias")
