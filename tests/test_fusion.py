@@ -93,3 +93,14 @@ def test_sp_rejects_indivisible_sequence():
 def test_sharded_build_rejects_indivisible_mesh():
     with pytest.raises(ValueError, match="n_head=25: must be divisible by tp=2"):
         build_forward(preset("nanogpt"), Layout(1, 2))
+
+
+@pytest.mark.parametrize("dtype, dropout, scalars", [("bf16", 0.1, 2), ("fp32", 0.1, 3), ("bf16", 0.0, 0)],
+                         ids=["bf16", "fp32", "no_dropout"])
+def test_dropout_scalar_inputs(dtype, dropout, scalars):
+    """Tensors x and the 12 parameters, then seed and one offset per region that
+    draws in the fusion (bf16: flash attention draws its own)."""
+    from tpfuser.fusion import rng_input_names
+    cfg = preset("tiny", dtype=dtype, dropout=dropout)
+    ff = build_forward(cfg, Layout(1, 1))
+    assert len(ff.fd.fusion.inputs()) == 13 + scalars == 13 + len(rng_input_names(cfg))

@@ -69,7 +69,7 @@ class ForwardFusion:
     check: bool
     inputs: dict = field(default_factory=dict)    # name -> TensorView (x, params)
     outputs: dict = field(default_factory=dict)   # name -> TensorView, in output order
-    has_rng: bool = False   # takes (rng_seed, resid offset, tp offset) after the tensors
+    has_rng: bool = False   # takes the scalars rng_input_names(cfg) after the tensors
 
 
 def _bcast_rows(fd, t, b, s, e):
@@ -101,10 +101,17 @@ def _gelu_tanh(fd, x):
                       fd.ops.add(fd.ops.tanh(fd.ops.mul(inner, math.sqrt(2.0 / math.pi))), 1.0))
 
 
-def _rng_scalars(fd):
-    """The fusion's dropout inputs: seed, and the offsets of the two regions (RNG_STREAMS)."""
-    return {"seed": fd.define_scalar(dtype=DataType.Int), "resid": fd.define_scalar(dtype=DataType.Int),
-            "tp": fd.define_scalar(dtype=DataType.Int)}
+def rng_input_names(cfg: BlockConfig) -> list[str]:
+    """The fusion's dropout scalars, in input order: the seed and the offset of
+    each region that draws masks in the fusion (RNG_STREAMS). In bf16 the tp
+    region's only dropout lives inside flash attention, so it takes no offset."""
+    if cfg.dropout == 0:
+        return []
+    return ["seed", "resid"] + (["tp"] if cfg.torch_dtype == torch.float32 else [])
+
+
+def _rng_scalars(fd, cfg):
+    return {name: fd.define_scalar(dtype=DataType.Int) for name in rng_input_names(cfg)} or None
 
 
 def _keep_mask(fd, shape, p, rng, stream):
@@ -178,7 +185,7 @@ def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, 
     for name in PARAM_NAMES:
         ff.inputs[name] = fd.define_tensor(shape=list(shapes[name]), contiguity=True, dtype=dtype)
     w = ff.inputs
-    rng = _rng_scalars(fd) if p > 0 else None
+    rng = _rng_scalars(fd, cfg)
     masks, saved = {}, {}
 
     x = fd.ops.cast(w["x"], DataType.Float)
@@ -407,7 +414,7 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig) -> BackwardFusion:
     for name, (shape, kind) in saved_specs(cfg).items():
         bf.inputs[name] = fd.define_tensor(shape=list(shape), contiguity=True, dtype=nv[kind])
     w = bf.inputs
-    rng = _rng_scalars(fd) if p > 0 else None
+    rng = _rng_scalars(fd, cfg)
     grads = {}
 
     g = fd.ops.cast(w["grad_out"], DataType.Float)

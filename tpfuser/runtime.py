@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.fusion import RNG_STREAMS, ScheduleOptions, build_backward, build_forward, communicator, saved_names
+from tpfuser.fusion import (RNG_STREAMS, ScheduleOptions, build_backward, build_forward, communicator,
+                             rng_input_names, saved_names)
 from tpfuser.plan import PARAM_PLACEMENTS, local_shape, placements
 from tpfuser.reference import PARAM_NAMES, param_shapes
 from tpfuser.shard import fusion_params, local_slice, rank_params
@@ -139,7 +140,9 @@ class ShardedBlock:
             return []
         if not isinstance(rng_seed, int) or not 0 <= rng_seed < RNG_OFFSET_LIMIT:
             raise ValueError(f"rng_seed={rng_seed!r}: must be an int in [0, 2**31)")
-        return [rng_seed, *rank_rng_offsets(rng_offset, self.layout, self.dp_rank, self.tp_rank)]
+        resid, tp_region = rank_rng_offsets(rng_offset, self.layout, self.dp_rank, self.tp_rank)
+        values = {"seed": rng_seed, "resid": resid, "tp": tp_region}
+        return [values[name] for name in rng_input_names(self.cfg)]
 
     def _checked_params(self, params) -> list[torch.Tensor]:
         if params is None:
