@@ -19,9 +19,8 @@ from tpfuser.config import preset  # noqa: E402
 from tpfuser.reference import PARAM_NAMES, make_block, make_input  # noqa: E402
 
 @pytest.fixture(autouse=True)
-def _no_tf32():
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+def _full_precision(no_tf32):
+    pass
 
 
 @pytest.mark.parametrize("name", ["tiny", "nanogpt"])

@@ -88,6 +88,13 @@ def rank_params(fparams: dict[str, torch.Tensor], layout: Layout, rank: int) -> 
     return [local_slice(fparams[name], PARAM_PLACEMENTS[name], layout, rank) for name in PARAM_NAMES]
 
 
+def _simulated_ranks(state, cfg: BlockConfig, layout: Layout) -> list[dict[str, torch.Tensor]]:
+    """Every tp rank's parameter shards by name, through the runtime's slicing."""
+    layout.check(cfg)
+    fparams = fusion_params(state, cfg)
+    return [dict(zip(PARAM_NAMES, rank_params(fparams, layout, r))) for r in range(layout.world_size)]
+
+
 # ---------------------------------------------------------------------------
 # A float64 simulation of the tp ranks: each rank computes on its shards only;
 # the all-reduce is a sum of the ranks' partial projections.
@@ -124,9 +131,7 @@ def simulate_tp_forward(x: torch.Tensor, state: dict[str, torch.Tensor], cfg: Bl
     the partial sums of the row-parallel projections are added (the all-reduce)
     and the replicated bias is added once after the sum."""
     layout = Layout(dp=1, tp=tp)
-    layout.check(cfg)
-    fparams = fusion_params(state, cfg)
-    ranks = [dict(zip(PARAM_NAMES, rank_params(fparams, layout, r))) for r in range(tp)]
+    ranks = _simulated_ranks(state, cfg, layout)
     w0 = ranks[0]
     ln_1 = _layer_norm(x, w0["ln_1.weight"], w0["ln_1.bias"])
     x = x + sum(_rank_attention(ln_1, w, cfg, tp) for w in ranks) + w0["attn.c_proj.bias"]
@@ -179,9 +184,7 @@ def simulate_tp_backward(x, grad_out, state, cfg: BlockConfig, tp: int):
     itself; the only cross-rank step is the sum of the partial input gradients
     of the two column-parallel linears (Megatron's backward all-reduces)."""
     layout = Layout(dp=1, tp=tp)
-    layout.check(cfg)
-    fparams = fusion_params(state, cfg)
-    ranks = [dict(zip(PARAM_NAMES, rank_params(fparams, layout, r))) for r in range(tp)]
+    ranks = _simulated_ranks(state, cfg, layout)
     # Forward activations every rank holds (replicated over tp).
     w0 = ranks[0]
     ln_1 = _layer_norm(x, w0["ln_1.weight"], w0["ln_1.bias"])
@@ -239,9 +242,7 @@ def simulate_sp_forward(x, state, cfg: BlockConfig, tp: int) -> list[torch.Tenso
     """The forward (no dropout) as tp sequence-parallel ranks compute it: each
     rank's output slice [b, s/tp, e], from its input slice and its shards."""
     layout = Layout(dp=1, tp=tp, sp=True)
-    layout.check(cfg)
-    fparams = fusion_params(state, cfg)
-    ranks = [dict(zip(PARAM_NAMES, rank_params(fparams, layout, r))) for r in range(tp)]
+    ranks = _simulated_ranks(state, cfg, layout)
     xs = _seq_slices(x, layout)
     ln_1 = _all_gather_seq([_layer_norm(x_r, w["ln_1.weight"], w["ln_1.bias"]) for x_r, w in zip(xs, ranks)])
     attn = _reduce_scatter_seq([_rank_attention(ln_1, w, cfg, tp) for w in ranks])
@@ -257,9 +258,7 @@ def simulate_sp_backward(x, grad_out, state, cfg: BlockConfig, tp: int):
     used on sequence slices (LayerNorms, row-parallel biases) are partial per
     rank and summed over tp (an all-reduce)."""
     layout = Layout(dp=1, tp=tp, sp=True)
-    layout.check(cfg)
-    fparams = fusion_params(state, cfg)
-    ranks = [dict(zip(PARAM_NAMES, rank_params(fparams, layout, r))) for r in range(tp)]
+    ranks = _simulated_ranks(state, cfg, layout)
     xs, gs = _seq_slices(x, layout), _seq_slices(grad_out, layout)
     # Forward activations (recomputed as the fusion's backward does).
     ln_1 = _all_gather_seq([_layer_norm(x_r, w["ln_1.weight"], w["ln_1.bias"]) for x_r, w in zip(xs, ranks)])
