@@ -67,6 +67,11 @@ class CheckResult:
         return {**asdict(self), "ok": self.ok}
 
 
+def _rank_part(t: torch.Tensor, block: ShardedBlock) -> torch.Tensor:
+    """This rank's part of a tensor covering its dp rank's batch slice."""
+    return t.chunk(block.layout.tp, dim=1)[block.tp_rank] if block.layout.sp else t
+
+
 def check_forward(cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, preset_name: str = "",
                   rng_seed: int = 1234, rng_offset: int = 0, weight_seed: int = 0) -> CheckResult:
     """Run this rank's fusion and compare its output with the reference's slice."""
@@ -97,9 +102,12 @@ def check_forward(cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, pr
         attention = flash_replay(0.0, rng_state)
     ref = ref.to(device)
     with torch.no_grad():
-        expected = ref(block.shard_output(x).to(device), masks, attention)
+        # The reference sees this dp rank's whole sequences (attention needs
+        # them); under sequence parallelism the rank's output is a slice of it.
+        x_dp = x.chunk(layout.dp, dim=0)[block.dp_rank].to(device)
+        expected = _rank_part(ref(x_dp, masks, attention), block)
 
-    x_local = block.shard_output(x).to(device)
+    x_local = _rank_part(x_dp, block)
     result = CheckResult(preset_name, cfg.dtype, cfg.dropout, f"{layout.dp}x{layout.tp}", rank,
                          rel_l2(out, expected), TOLERANCES[cfg.dtype],
                          rel_l2(out.float() - x_local, expected - x_local))
