@@ -124,3 +124,12 @@ def test_sp_simulation_needs_the_tp_all_reduce_of_partial_grads():
     finally:
         shard.SP_PARTIAL_GRADS = saved
     assert rel(rank_grads[0]["ln_1.weight"], gp_ref["ln_1.weight"]) > 1e-3
+
+
+def test_fp32_backward_recomputes_attention_once():
+    """Each mask drawn once (two residual, one attention) and the probabilities
+    computed once: 8 matmuls of linear gradients, q k^T, probs v, and 4 of the attention backward."""
+    from tpfuser.fusion import build_backward, fusion_text
+    text = fusion_text(build_backward(preset("tiny", dtype="fp32"), Layout(1, 1)))
+    assert text.count("rng_uniform") == 3
+    assert text.count("= matmul(") == 14

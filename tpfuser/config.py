@@ -87,9 +87,6 @@ class Layout:
                      name, value, "must be a positive int")
         _require(isinstance(self.sp, bool), "sp", self.sp, "must be a bool")
 
-    @property
-    def name(self) -> str:
-        return f"{self.dp}x{self.tp}" + (" sp" if self.sp else "")
 
     @property
     def world_size(self) -> int:

@@ -141,16 +141,23 @@ def _causal_probs(fd, q, k, cfg):
     return fd.ops.div(unnorm, denom)
 
 
+def _dropped_probs(fd, q, k, cfg, p, rng):
+    """(probs, keep mask or None, probs after dropout) of the written-out attention."""
+    b, h, s = cfg.batch, cfg.n_head, cfg.seq
+    probs = _causal_probs(fd, q, k, cfg)
+    if p == 0:
+        return probs, None, probs
+    keep = _keep_mask(fd, [b, h, s, s], p, rng, "attn")
+    return probs, keep, _dropout(fd, probs, keep, p)
+
+
 def _causal_attention(fd, q, k, v, cfg, p, rng, outputs):
     """softmax(q k^T / sqrt(d) + causal) v, written out for dtypes flash
     attention lacks (fp32). q, k, v: float [b, h, s, d]."""
-    b, h, s = cfg.batch, cfg.n_head, cfg.seq
-    probs = _causal_probs(fd, q, k, cfg)
-    if p > 0:
-        keep = _keep_mask(fd, [b, h, s, s], p, rng, "attn")
+    _, keep, dropped = _dropped_probs(fd, q, k, cfg, p, rng)
+    if keep is not None:
         outputs["attn_keep"] = keep
-        probs = _dropout(fd, probs, keep, p)
-    return fd.ops.matmul(probs, v)  # (b, h, s, d)
+    return fd.ops.matmul(dropped, v)  # (b, h, s, d)
 
 
 def saved_names(cfg: BlockConfig) -> list[str]:
@@ -295,11 +302,6 @@ def fusion_text(ff: ForwardFusion) -> str:
     return ff.fd.fusion.print_math()
 
 
-def communicator():
-    """nvFuser's process-wide Communicator (reads torchrun's or mpirun's variables)."""
-    return nvf.multidevice.Communicator.instance()
-
-
 def loop_sharding(tv) -> tuple[str, list[tuple[str, int]]]:
     """(device mesh, [(parallel type, extent), ...] of the loop domain) of a TensorView,
     read from its IterDomains: 'mesh_x' / 'mesh_y' for device-parallel axes, '' otherwise."""
@@ -374,18 +376,13 @@ def _layer_norm_backward(fd, g, xhat, rstd, weight, b, s, e):
     return fd.ops.mul(centered, _bcast_rows(fd, rstd, b, s, e)), grad_weight, grad_bias
 
 
-def _causal_attention_backward(fd, gy, q, k, v, cfg, p, rng):
+def _causal_attention_backward(fd, gy, q, k, v, probs, keep, dropped, cfg, p):
     """Gradients of q, k, v (float [b, h, s, d]) of the written-out attention,
-    recomputing the probabilities and drawing the dropout mask again."""
+    given its recomputed probabilities (_dropped_probs)."""
     b, h, s, d = cfg.batch, cfg.n_head, cfg.seq, cfg.head_dim
-    probs = _causal_probs(fd, q, k, cfg)                                      # (b, h, s, s)
-    dropped = probs
-    if p > 0:
-        keep = _keep_mask(fd, [b, h, s, s], p, rng, "attn")
-        dropped = _dropout(fd, probs, keep, p)
     grad_v = fd.ops.matmul(fd.ops.permute(dropped, dims=[0, 1, 3, 2]), gy)    # (b, h, s, d)
     grad_dropped = fd.ops.matmul(gy, fd.ops.permute(v, dims=[0, 1, 3, 2]))   # (b, h, s, s)
-    grad_probs = _dropout(fd, grad_dropped, keep, p) if p > 0 else grad_dropped
+    grad_probs = _dropout(fd, grad_dropped, keep, p) if keep is not None else grad_dropped
     row_dot = fd.ops.broadcast_in_dim(fd.ops.sum(fd.ops.mul(grad_probs, probs), dims=[3], keepdim=False,
                                                  dtype=DataType.Null), shape=[b, h, s, 1], broadcast_dims=[0, 1, 2])
     grad_scores = fd.ops.mul(fd.ops.mul(probs, fd.ops.sub(grad_probs, row_dot)), 1.0 / math.sqrt(d))
@@ -444,8 +441,9 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig) -> BackwardFusion:
     g_attn = fd.ops.cast(g_attn, dtype)
     if cfg.torch_dtype == torch.bfloat16:
         y = w["sdpa_out"]
-    else:
-        y = _causal_attention(fd, q, k, v, cfg, p, rng, {})
+    else:  # recompute the probabilities once, for y and for the attention backward
+        probs, keep, dropped = _dropped_probs(fd, q, k, cfg, p, rng)
+        y = fd.ops.matmul(dropped, v)
     y_bse = fd.ops.reshape(fd.ops.permute(y, dims=[0, 2, 1, 3]), new_shape=[b, s, e])
     grads["attn.c_proj.weight"] = _weight_grad(fd, g_attn, y_bse, b, s)
     g_y = _input_grad(fd, g_attn, w["attn.c_proj.weight"], b, s)          # (b, s, e), heads over tp
@@ -455,7 +453,7 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig) -> BackwardFusion:
             g_y, q, k, v, w["sdpa_out"], w["sdpa_lse"], fd.define_scalar(p, dtype=DataType.Double),
             fd.define_scalar(True, dtype=DataType.Bool), w["sdpa_seed"], w["sdpa_offset"], None)
     else:
-        g_q, g_k, g_v = _causal_attention_backward(fd, g_y, q, k, v, cfg, p, rng)
+        g_q, g_k, g_v = _causal_attention_backward(fd, g_y, q, k, v, probs, keep, dropped, cfg, p)
     # Back to the fusion's qkv row order, [h, 3, d]: cat before the reshape,
     # so that the concatenation is not along the tp-split dimension.
     g_qkv = fd.ops.cat([fd.ops.permute(t, dims=[0, 2, 1, 3]) for t in (g_q, g_k, g_v)], dim=3, manual_padding=0)

@@ -17,6 +17,7 @@ command and the tests all read the placements below.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tpfuser.config import BlockConfig, Layout
@@ -75,10 +76,7 @@ def saved_bytes_per_rank(cfg: BlockConfig, layout: Layout) -> int:
     specs = saved_specs(cfg) | {"x": ((cfg.batch, cfg.seq, cfg.n_embd), "block")}
     where = placements(layout)
     for name, (shape, dtype) in specs.items():
-        n = 1
-        for dim in local_shape(shape, where[name], layout):
-            n *= dim
-        total += n * sizes[dtype]
+        total += math.prod(local_shape(shape, where[name], layout)) * sizes[dtype]
     return total
 
 
@@ -130,10 +128,7 @@ class Collective:
     @property
     def bytes_per_rank(self) -> int:
         """Size of the tensor the collective produces (all-reduce, all-gather) or consumes (reduce-scatter)."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * self.dtype_bytes
+        return math.prod(self.shape) * self.dtype_bytes
 
     @property
     def wire_bytes_per_rank(self) -> int:

@@ -3,9 +3,10 @@ Pure Python: it needs neither a GPU nor nvFuser."""
 
 from __future__ import annotations
 
-from tpfuser.config import BlockConfig, Layout
 import dataclasses
+import math
 
+from tpfuser.config import BlockConfig, Layout
 from tpfuser.plan import collectives, forward_flops, local_shape, placements, saved_bytes_per_rank
 from tpfuser.reference import PARAM_NAMES, param_shapes
 
@@ -36,7 +37,7 @@ def plan_report(cfg: BlockConfig, layout: Layout, preset_name: str = "") -> dict
                 "local_shape": list(local_shape(shape, placement, layout)),
                 "sharding": {str(dim): axis for dim, axis in sorted(placement.items())},
             })
-    param_bytes = sum(_numel(t["local_shape"]) * nbytes for t in tensors if t["kind"] == "param")
+    param_bytes = sum(math.prod(t["local_shape"]) * nbytes for t in tensors if t["kind"] == "param")
     colls = [{"kind": c.kind, "axis": c.axis, "where": c.where, "shape": list(c.shape),
               "bytes_per_rank": c.bytes_per_rank, "wire_bytes_per_rank": c.wire_bytes_per_rank}
              for c in collectives(cfg, layout)]
@@ -54,13 +55,6 @@ def plan_report(cfg: BlockConfig, layout: Layout, preset_name: str = "") -> dict
         "saved_for_backward_bytes_per_rank": saved_bytes_per_rank(cfg, layout),
         "saved_for_backward_bytes_per_rank_by_parallelism": saved,
     }
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _fmt_bytes(n: int) -> str:

@@ -15,8 +15,7 @@ from typing import Optional
 import torch
 
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.fusion import (RNG_STREAMS, ScheduleOptions, build_backward, build_forward, communicator,
-                             rng_input_names, saved_names)
+from tpfuser.fusion import RNG_STREAMS, ScheduleOptions, build_backward, build_forward, rng_input_names, saved_names
 from tpfuser.plan import PARAM_PLACEMENTS, local_shape, placements
 from tpfuser.reference import PARAM_NAMES, param_shapes
 from tpfuser.shard import fusion_params, local_slice, rank_params
@@ -184,12 +183,6 @@ class ShardedBlock:
                   *self._rng_inputs(rng_seed, rng_offset)]
         outs = self._backward_fusion.fd.execute(inputs)
         return outs[0], list(outs[1:])
-
-
-def world() -> tuple[int, int]:
-    """(rank, size) as nvFuser's Communicator sees them (torchrun or mpirun)."""
-    comm = communicator()
-    return comm.rank(), comm.size()
 
 
 def gather_output(local: torch.Tensor, layout: Layout, name: str = "out", group=None) -> torch.Tensor:
