@@ -11,6 +11,13 @@ from tpfuser.shard import fusion_params, local_slice, simulate_tp_backward
 from tests.test_fusion import MESH_IDS, MESHES  # noqa: E402  (TP and SP meshes)
 
 
+def float64_case():
+    """tiny, float64: (cfg, reference block, input, upstream gradient)."""
+    cfg = preset("tiny")
+    return (cfg, make_block(cfg, dtype=torch.float64), make_input(cfg, dtype=torch.float64),
+            make_input(cfg, seed=9, dtype=torch.float64))
+
+
 def reference_grads(cfg, block, x, grad_out):
     x = x.clone().requires_grad_(True)
     block.zero_grad()
@@ -24,10 +31,7 @@ def rel(a, b):
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_tp_backward_simulation_equals_autograd_float64(tp):
-    cfg = preset("tiny")
-    block = make_block(cfg, dtype=torch.float64)
-    x = make_input(cfg, dtype=torch.float64)
-    grad_out = make_input(cfg, seed=9, dtype=torch.float64)
+    cfg, block, x, grad_out = float64_case()
     gx_ref, gp_ref = reference_grads(cfg, block, x, grad_out)
     gx, rank_grads = simulate_tp_backward(x, grad_out, block.state_dict(), cfg, tp)
     assert rel(gx, gx_ref) < 1e-10
@@ -41,10 +45,7 @@ def test_tp_backward_simulation_equals_autograd_float64(tp):
 
 def test_backward_simulation_is_sensitive():
     """Dropping one rank's partial sum (a missing all-reduce) is caught."""
-    cfg = preset("tiny")
-    block = make_block(cfg, dtype=torch.float64)
-    x = make_input(cfg, dtype=torch.float64)
-    grad_out = make_input(cfg, seed=9, dtype=torch.float64)
+    cfg, block, x, grad_out = float64_case()
     gx_ref, _ = reference_grads(cfg, block, x, grad_out)
     state = dict(block.state_dict())
     state["mlp.c_fc.weight"] = state["mlp.c_fc.weight"].clone()
@@ -92,10 +93,7 @@ def test_schedule_options():
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_sp_simulation_equals_reference_float64(tp):
     from tpfuser.shard import simulate_sp_backward, simulate_sp_forward
-    cfg = preset("tiny")
-    block = make_block(cfg, dtype=torch.float64)
-    x = make_input(cfg, dtype=torch.float64)
-    grad_out = make_input(cfg, seed=9, dtype=torch.float64)
+    cfg, block, x, grad_out = float64_case()
     out = torch.cat(simulate_sp_forward(x, block.state_dict(), cfg, tp), dim=1)
     assert rel(out, block(x).detach()) < 1e-10
     gx_ref, gp_ref = reference_grads(cfg, block, x, grad_out)
@@ -112,10 +110,7 @@ def test_sp_simulation_equals_reference_float64(tp):
 def test_sp_simulation_needs_the_tp_all_reduce_of_partial_grads():
     """Without summing the LayerNorm gradients over the sequence slices, they are wrong."""
     from tpfuser import shard
-    cfg = preset("tiny")
-    block = make_block(cfg, dtype=torch.float64)
-    x = make_input(cfg, dtype=torch.float64)
-    grad_out = make_input(cfg, seed=9, dtype=torch.float64)
+    cfg, block, x, grad_out = float64_case()
     _, gp_ref = reference_grads(cfg, block, x, grad_out)
     saved = shard.SP_PARTIAL_GRADS
     try:

@@ -130,13 +130,17 @@ def simulate_tp_forward(x: torch.Tensor, state: dict[str, torch.Tensor], cfg: Bl
     Each rank gets its shards through rank_params (the runtime's slicing);
     the partial sums of the row-parallel projections are added (the all-reduce)
     and the replicated bias is added once after the sum."""
-    layout = Layout(dp=1, tp=tp)
-    ranks = _simulated_ranks(state, cfg, layout)
+    ranks = _simulated_ranks(state, cfg, Layout(dp=1, tp=tp))
+    _, x1, ln_2 = _tp_attention_half(x, ranks, cfg, tp)
+    return x1 + sum(_rank_mlp(ln_2, w) for w in ranks) + ranks[0]["mlp.c_proj.bias"]
+
+
+def _tp_attention_half(x, ranks, cfg: BlockConfig, tp: int):
+    """(ln_1, x1, ln_2): the activations every tp rank holds up to the MLP."""
     w0 = ranks[0]
     ln_1 = _layer_norm(x, w0["ln_1.weight"], w0["ln_1.bias"])
-    x = x + sum(_rank_attention(ln_1, w, cfg, tp) for w in ranks) + w0["attn.c_proj.bias"]
-    ln_2 = _layer_norm(x, w0["ln_2.weight"], w0["ln_2.bias"])
-    return x + sum(_rank_mlp(ln_2, w) for w in ranks) + w0["mlp.c_proj.bias"]
+    x1 = x + sum(_rank_attention(ln_1, w, cfg, tp) for w in ranks) + w0["attn.c_proj.bias"]
+    return ln_1, x1, _layer_norm(x1, w0["ln_2.weight"], w0["ln_2.bias"])
 
 
 def _gelu_tanh_grad(x):
@@ -183,13 +187,8 @@ def simulate_tp_backward(x, grad_out, state, cfg: BlockConfig, tp: int):
     order]). Each rank computes the replicated parts (LayerNorms, residuals)
     itself; the only cross-rank step is the sum of the partial input gradients
     of the two column-parallel linears (Megatron's backward all-reduces)."""
-    layout = Layout(dp=1, tp=tp)
-    ranks = _simulated_ranks(state, cfg, layout)
-    # Forward activations every rank holds (replicated over tp).
-    w0 = ranks[0]
-    ln_1 = _layer_norm(x, w0["ln_1.weight"], w0["ln_1.bias"])
-    x1 = x + sum(_rank_attention(ln_1, w, cfg, tp) for w in ranks) + w0["attn.c_proj.bias"]
-    ln_2 = _layer_norm(x1, w0["ln_2.weight"], w0["ln_2.bias"])
+    ranks = _simulated_ranks(state, cfg, Layout(dp=1, tp=tp))
+    ln_1, x1, ln_2 = _tp_attention_half(x, ranks, cfg, tp)   # recomputed, as the fusion's backward does
 
     grads = [{} for _ in range(tp)]
     g_ln_2 = 0
@@ -238,16 +237,20 @@ def _reduce_scatter_seq(partials: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(sum(partials).chunk(len(partials), dim=1))
 
 
+def _sp_attention_half(xs, ranks, cfg: BlockConfig, tp: int):
+    """(ln_1 gathered, each rank's x1 slice, ln_2 gathered) under sequence parallelism."""
+    ln_1 = _all_gather_seq([_layer_norm(x_r, w["ln_1.weight"], w["ln_1.bias"]) for x_r, w in zip(xs, ranks)])
+    attn = _reduce_scatter_seq([_rank_attention(ln_1, w, cfg, tp) for w in ranks])
+    x1 = [x_r + a_r + w["attn.c_proj.bias"] for x_r, a_r, w in zip(xs, attn, ranks)]
+    return ln_1, x1, _all_gather_seq([_layer_norm(t, w["ln_2.weight"], w["ln_2.bias"]) for t, w in zip(x1, ranks)])
+
+
 def simulate_sp_forward(x, state, cfg: BlockConfig, tp: int) -> list[torch.Tensor]:
     """The forward (no dropout) as tp sequence-parallel ranks compute it: each
     rank's output slice [b, s/tp, e], from its input slice and its shards."""
     layout = Layout(dp=1, tp=tp, sp=True)
     ranks = _simulated_ranks(state, cfg, layout)
-    xs = _seq_slices(x, layout)
-    ln_1 = _all_gather_seq([_layer_norm(x_r, w["ln_1.weight"], w["ln_1.bias"]) for x_r, w in zip(xs, ranks)])
-    attn = _reduce_scatter_seq([_rank_attention(ln_1, w, cfg, tp) for w in ranks])
-    x1 = [x_r + a_r + w["attn.c_proj.bias"] for x_r, a_r, w in zip(xs, attn, ranks)]
-    ln_2 = _all_gather_seq([_layer_norm(t, w["ln_2.weight"], w["ln_2.bias"]) for t, w in zip(x1, ranks)])
+    _, x1, ln_2 = _sp_attention_half(_seq_slices(x, layout), ranks, cfg, tp)
     mlp = _reduce_scatter_seq([_rank_mlp(ln_2, w) for w in ranks])
     return [t + m + w["mlp.c_proj.bias"] for t, m, w in zip(x1, mlp, ranks)]
 
@@ -260,11 +263,7 @@ def simulate_sp_backward(x, grad_out, state, cfg: BlockConfig, tp: int):
     layout = Layout(dp=1, tp=tp, sp=True)
     ranks = _simulated_ranks(state, cfg, layout)
     xs, gs = _seq_slices(x, layout), _seq_slices(grad_out, layout)
-    # Forward activations (recomputed as the fusion's backward does).
-    ln_1 = _all_gather_seq([_layer_norm(x_r, w["ln_1.weight"], w["ln_1.bias"]) for x_r, w in zip(xs, ranks)])
-    attn = _reduce_scatter_seq([_rank_attention(ln_1, w, cfg, tp) for w in ranks])
-    x1 = [x_r + a_r + w["attn.c_proj.bias"] for x_r, a_r, w in zip(xs, attn, ranks)]
-    ln_2 = _all_gather_seq([_layer_norm(t, w["ln_2.weight"], w["ln_2.bias"]) for t, w in zip(x1, ranks)])
+    ln_1, x1, ln_2 = _sp_attention_half(xs, ranks, cfg, tp)   # recomputed, as the fusion's backward does
 
     grads = [{} for _ in range(tp)]
     g_full = _all_gather_seq(gs)                               # backward of the reduce-scatter
