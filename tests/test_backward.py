@@ -25,6 +25,15 @@ def reference_grads(cfg, block, x, grad_out):
     return x.grad, {n: p.grad for n, p in block.named_parameters()}
 
 
+def assert_rank_grads_are_slices(rank_grads, reference, cfg, layout):
+    """Each rank's parameter gradient is its slice of the reference gradient (fusion's qkv order)."""
+    full = fusion_params(reference, cfg)
+    for r in range(layout.world_size):
+        for name in PARAM_NAMES:
+            expected = local_slice(full[name], PARAM_PLACEMENTS[name], layout, r)
+            assert rel(rank_grads[r][name], expected) < 1e-10, (r, name)
+
+
 def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
@@ -35,12 +44,7 @@ def test_tp_backward_simulation_equals_autograd_float64(tp):
     gx_ref, gp_ref = reference_grads(cfg, block, x, grad_out)
     gx, rank_grads = simulate_tp_backward(x, grad_out, block.state_dict(), cfg, tp)
     assert rel(gx, gx_ref) < 1e-10
-    full = fusion_params(gp_ref, cfg)   # reference grads in the fusion's qkv order
-    layout = Layout(1, tp)
-    for r in range(tp):
-        for name in PARAM_NAMES:
-            expected = local_slice(full[name], PARAM_PLACEMENTS[name], layout, r)
-            assert rel(rank_grads[r][name], expected) < 1e-10, (r, name)
+    assert_rank_grads_are_slices(rank_grads, gp_ref, cfg, Layout(1, tp))
 
 
 def test_backward_simulation_is_sensitive():
@@ -99,12 +103,7 @@ def test_sp_simulation_equals_reference_float64(tp):
     gx_ref, gp_ref = reference_grads(cfg, block, x, grad_out)
     gx, rank_grads = simulate_sp_backward(x, grad_out, block.state_dict(), cfg, tp)
     assert rel(torch.cat(gx, dim=1), gx_ref) < 1e-10
-    full = fusion_params(gp_ref, cfg)
-    layout = Layout(1, tp, sp=True)
-    for r in range(tp):
-        for name in PARAM_NAMES:
-            expected = local_slice(full[name], PARAM_PLACEMENTS[name], layout, r)
-            assert rel(rank_grads[r][name], expected) < 1e-10, (r, name)
+    assert_rank_grads_are_slices(rank_grads, gp_ref, cfg, Layout(1, tp, sp=True))
 
 
 def test_sp_simulation_needs_the_tp_all_reduce_of_partial_grads():

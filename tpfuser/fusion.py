@@ -376,6 +376,22 @@ def _layer_norm_backward(fd, g, xhat, rstd, weight, b, s, e):
     return fd.ops.mul(centered, _bcast_rows(fd, rstd, b, s, e)), grad_weight, grad_bias
 
 
+def _ln_linear_backward(fd, g, x, ln, linear, w, grads, cfg):
+    """Backward of linear(ln(x)) for a column-parallel linear: fills the
+    gradients of the linear's weight and of the LayerNorm's parameters, and
+    returns the gradient of x (float). g: the linear's output gradient (block
+    dtype); x: float [b, s, e]; the LayerNorm is recomputed from its saved stats.
+    The linear's input gradient is a partial sum over tp: nvFuser all-reduces it."""
+    b, s, e = cfg.batch, cfg.seq, cfg.n_embd
+    xhat = _normalize(fd, x, w[f"{ln}.mean"], w[f"{ln}.rstd"], b, s, e)
+    ln_out = fd.ops.cast(_affine(fd, xhat, w[f"{ln}.weight"], w[f"{ln}.bias"], b, s, e), _NV_DTYPE[cfg.torch_dtype])
+    grads[f"{linear}.weight"] = _weight_grad(fd, g, ln_out, b, s)
+    g_ln = fd.ops.cast(_input_grad(fd, g, w[f"{linear}.weight"], b, s), DataType.Float)
+    g_x, grads[f"{ln}.weight"], grads[f"{ln}.bias"] = _layer_norm_backward(
+        fd, g_ln, xhat, w[f"{ln}.rstd"], w[f"{ln}.weight"], b, s, e)
+    return g_x
+
+
 def _causal_attention_backward(fd, gy, q, k, v, probs, keep, dropped, cfg, p):
     """Gradients of q, k, v (float [b, h, s, d]) of the written-out attention,
     given its recomputed probabilities (_dropped_probs)."""
@@ -424,15 +440,7 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig) -> BackwardFusion:
     g_h = fd.ops.mul(fd.ops.cast(_input_grad(fd, g_mlp, w["mlp.c_proj.weight"], b, s), DataType.Float),
                      _gelu_tanh_grad(fd, h_pre))                             # (b, s, 4e)
     grads["mlp.c_fc.bias"] = _sum_rows(fd, g_h)
-    xhat_2 = _normalize(fd, w["x1"], w["ln_2.mean"], w["ln_2.rstd"], b, s, e)
-    ln_2 = fd.ops.cast(_affine(fd, xhat_2, w["ln_2.weight"], w["ln_2.bias"], b, s, e), dtype)
-    g_h = fd.ops.cast(g_h, dtype)
-    grads["mlp.c_fc.weight"] = _weight_grad(fd, g_h, ln_2, b, s)
-    # Column-parallel fc: its input gradient is a partial sum over tp (all-reduced).
-    g_ln_2 = fd.ops.cast(_input_grad(fd, g_h, w["mlp.c_fc.weight"], b, s), DataType.Float)
-    g_x1, grads["ln_2.weight"], grads["ln_2.bias"] = _layer_norm_backward(
-        fd, g_ln_2, xhat_2, w["ln_2.rstd"], w["ln_2.weight"], b, s, e)
-    g_x1 = fd.ops.add(g, g_x1)                                              # (b, s, e)
+    g_x1 = fd.ops.add(g, _ln_linear_backward(fd, fd.ops.cast(g_h, dtype), w["x1"], "ln_2", "mlp.c_fc", w, grads, cfg))
 
     # Attention branch: x1 = x + dropout(attn(ln_1(x)) W_proj^T + b_proj)
     g_attn = _dropout(fd, g_x1, _keep_mask(fd, [b, s, e], p, rng, "resid_attn"), p) if p > 0 else g_x1
@@ -459,14 +467,8 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig) -> BackwardFusion:
     g_qkv = fd.ops.cat([fd.ops.permute(t, dims=[0, 2, 1, 3]) for t in (g_q, g_k, g_v)], dim=3, manual_padding=0)
     g_qkv = fd.ops.reshape(g_qkv, new_shape=[b, s, 3 * e])                 # (b, s, 3e)
     grads["attn.c_attn.bias"] = _sum_rows(fd, fd.ops.cast(g_qkv, DataType.Float))
-    x = fd.ops.cast(w["x"], DataType.Float)
-    xhat_1 = _normalize(fd, x, w["ln_1.mean"], w["ln_1.rstd"], b, s, e)
-    ln_1 = fd.ops.cast(_affine(fd, xhat_1, w["ln_1.weight"], w["ln_1.bias"], b, s, e), dtype)
-    g_qkv = fd.ops.cast(g_qkv, dtype)
-    grads["attn.c_attn.weight"] = _weight_grad(fd, g_qkv, ln_1, b, s)
-    g_ln_1 = fd.ops.cast(_input_grad(fd, g_qkv, w["attn.c_attn.weight"], b, s), DataType.Float)
-    g_x, grads["ln_1.weight"], grads["ln_1.bias"] = _layer_norm_backward(
-        fd, g_ln_1, xhat_1, w["ln_1.rstd"], w["ln_1.weight"], b, s, e)
+    g_x = _ln_linear_backward(fd, fd.ops.cast(g_qkv, dtype), fd.ops.cast(w["x"], DataType.Float),
+                              "ln_1", "attn.c_attn", w, grads, cfg)
 
     bf.outputs["grad_x"] = fd.ops.cast(fd.ops.add(g_x1, g_x), dtype)
     for name in PARAM_NAMES:
