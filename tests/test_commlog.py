@@ -19,3 +19,10 @@ def test_compare_with_the_plan():
     assert compare_first(posted, cfg, Layout(1, 2))["first_matches_plan"]
     assert not compare_first(posted, cfg, Layout(1, 2, sp=True))["first_matches_plan"]   # SP starts with an all-gather
     assert not compare_first([], cfg, Layout(1, 2))["first_matches_plan"]
+
+
+def test_a_collective_of_the_wrong_shape_does_not_match():
+    wrong = SEEN.replace("output_tensor [4, 16, 64]", "output_tensor [4, 16, 32]")
+    assert wrong != SEEN
+    cfg = preset("tiny", dtype="fp32", dropout=0.0)
+    assert not compare_first(parse_communication_log(wrong), cfg, Layout(1, 2))["first_matches_plan"]

@@ -58,3 +58,28 @@ def test_saved_for_backward_bytes_by_hand():
     assert saved_bytes_per_rank(cfg, Layout(1, 1)) == stats + x + x1 + qkv + mlp_h
     assert saved_bytes_per_rank(cfg, Layout(1, 2)) == stats + x + x1 + qkv // 2 + mlp_h // 2
     assert saved_bytes_per_rank(cfg, Layout(2, 1)) == (stats + x + x1 + qkv + mlp_h) // 2
+    # Sequence parallel: the replicated region's tensors (stats, x, x1) split over tp too.
+    assert saved_bytes_per_rank(cfg, Layout(1, 2, sp=True)) == (stats + x + x1) // 2 + qkv // 2 + mlp_h // 2
+
+
+def test_gpt3_tp8_sequence_parallel_plan(tmp_path):
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--preset", "gpt3", "--tp", "8", "--sp", "--json", str(path)]) == 0
+    rep = json.loads(path.read_text())
+    assert rep["parallelism"] == "tp+sp"
+    tensors = {t["name"]: t for t in rep["tensors"]}
+    assert tensors["x"]["local_shape"] == [1, 256, 12288] and tensors["x"]["sharding"] == {"0": "dp", "1": "tp"}
+    assert tensors["attn.c_attn.weight"]["local_shape"] == [4608, 12288]   # inside attention: as under TP
+    size = 2048 * 12288 * 2
+    assert [(c["kind"], c["where"]) for c in rep["collectives"]] == [
+        ("allgather", "before attn.c_attn"), ("reducescatter", "after attn.c_proj"),
+        ("allgather", "before mlp.c_fc"), ("reducescatter", "after mlp.c_proj")]
+    assert all(c["bytes_per_rank"] == size and c["wire_bytes_per_rank"] == 7 * size // 8 for c in rep["collectives"])
+    saved = rep["saved_for_backward_bytes_per_rank_by_parallelism"]
+    assert saved["tp+sp"] < saved["tp"]
+
+
+def test_tp_allreduce_wire_bytes():
+    from tpfuser.plan import collectives
+    (first, _) = collectives(preset("gpt3"), Layout(1, 8))
+    assert first.wire_bytes_per_rank == 2 * 7 * first.bytes_per_rank // 8
