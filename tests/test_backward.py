@@ -127,3 +127,17 @@ def test_fp32_backward_recomputes_attention_once():
     text = fusion_text(build_backward(preset("tiny", dtype="fp32"), Layout(1, 1)))
     assert text.count("rng_uniform") == 3
     assert text.count("= matmul(") == 14
+
+
+def test_backward_subset_keeps_only_what_its_outputs_need():
+    """define_backward(outputs=...) for bisecting: the MLP's c_proj bias gradient
+    needs one residual mask and no matmul; unknown names are refused."""
+    from tpfuser.fusion import backward_output_names, build_backward, fusion_text
+    cfg = preset("tiny", dtype="fp32")
+    bias = build_backward(cfg, Layout(1, 1), outputs=["grad.mlp.c_proj.bias"])
+    assert list(bias.outputs) == ["grad.mlp.c_proj.bias"]
+    text = fusion_text(bias)
+    assert text.count("rng_uniform") == 1 and "matmul(" not in text
+    assert list(build_backward(cfg).outputs) == backward_output_names()
+    with pytest.raises(ValueError, match="grad.nope"):
+        build_backward(cfg, outputs=["grad.nope"])

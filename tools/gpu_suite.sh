@@ -2,20 +2,24 @@
 # Every GPU check and the first benchmark, in one device call:
 #   source .nvf/setup.sh; bash tools/gpu_suite.sh
 # Writes JSON under $OUT (default ./gpu_out) and prints a short table last.
-# ONLY="tests bench" (a subset of: variants tests dp tp bench train gpt3) runs part of it.
+# ONLY="tests bench" (a subset of: bisect variants tests dp tp bench train gpt3) runs part of it;
+# TESTS= and K= narrow the pytest step (e.g. TESTS=tests/test_gpu_backward.py K="not mesh").
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
-ONLY=${ONLY:-variants tests dp tp bench train gpt3}
-TESTS=${TESTS:-tests}   # e.g. TESTS=tests/test_gpu.py for the forward checks only
+ONLY=${ONLY:-bisect tests dp tp bench train gpt3}
+TESTS=${TESTS:-tests} K=${K:-}
 want() { [[ " $ONLY " == *" $1 "* ]]; }
 export PYTHONPATH=$PWD:${PYTHONPATH:-} NVIDIA_TF32_OVERRIDE=0 PYTHONUNBUFFERED=1
 T=timeout
 
-want variants && echo "== 0. which schedule of the training fusions nvFuser compiles (NOTES.md)" && \
+want bisect && echo "== 0. which outputs of the meshed backward nvFuser fails to compile, and the error" && \
+$T 200 python3 tools/backward_bisect.py 120 2>&1 | grep -E "^(bisect|stopped)" | cut -c1-400
+
+want variants && echo "== 0b. which schedule of the training fusions nvFuser compiles (NOTES.md)" && \
 { $T 420 python3 tools/backward_variants.py > "$OUT/variants.log" 2>&1; grep -E "^(tiny|nanogpt)" "$OUT/variants.log" || tail -20 "$OUT/variants.log"; }
 
 want tests && echo "== 1. GPU tests (1x1 mesh)" && \
-$T 400 python3 -m pytest -q -m gpu $TESTS -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -25
+$T 400 python3 -m pytest -q -m gpu $TESTS ${K:+-k "$K"} -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -25
 
 want dp && echo "== 2. two ranks on one GPU, 2x1 mesh (data parallel, runs to the end)" && \
 $T 240 torchrun --standalone --nproc-per-node 2 tools/two_ranks.py dp 2>&1 | grep -E "^rank|Error" | cut -c1-400

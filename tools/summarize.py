@@ -60,6 +60,20 @@ for which in ("nanogpt", "gpt3", "nanogpt_train"):
         rows.append((f"bench {which} {'fwd+bwd' if 'train' in which else 'fwd'} {name}",
                      f"{r['median_ms']:.3f} ms, x{r.get('ratio_to_eager', 0):.2f} eager, "
                      f"{r['fraction_of_matmul_rate']:.2f} of floor ({b['compute_floor_ms']:.3f} ms){mem}"))
+    for name, why in b.get("failed", {}).items():
+        rows.append((f"bench {which} {name}", f"FAILED: {why[:150]}"))
+bisect = os.path.join(out, "backward_bisect.json")
+if os.path.exists(bisect):
+    cases = json.load(open(bisect))
+    summary["backward_bisect"] = cases
+    for r in cases:
+        if r["outputs"] == "all":
+            rows.append((f"meshed backward tiny {r['dtype']} p={r['dropout']}",
+                         "compiles and runs" if r["ok"] else f"FAILS: {r['error'][:150]}"))
+    singles = [r for r in cases if r["outputs"] != "all"]
+    if singles:
+        bad = [f"{r['dtype']}:{r['outputs'][0]}" for r in singles if not r["ok"]]
+        rows.append(("meshed backward, one output each", f"{len(singles) - len(bad)}/{len(singles)} ok; failing: {', '.join(bad)}"))
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 width = max(len(k) for k, _ in rows) if rows else 10
 for k, v in rows:

@@ -107,17 +107,21 @@ def bench(preset_name: str = "nanogpt", impls=IMPLS, iters: int = 100, warmup: i
         raise RuntimeError("benchmarking needs a CUDA GPU")
     ref = make_block(cfg, dtype=torch.bfloat16, device="cuda")
     x = make_input(cfg, dtype=torch.bfloat16, device="cuda")
-    fns, memory = {}, {}
+    memory, failed = {}, {}
     if not train:
         fns = _forward_fns(cfg, ref, x, impls)
         ctx = torch.no_grad()
     else:
-        fns, memory = _train_fns(cfg, ref, x, impls)
+        fns, memory, failed = _train_fns(cfg, ref, x, impls)
         ctx = torch.enable_grad()
     with ctx:
-        for name, fn in fns.items():
-            for _ in range(warmup):
-                fn()
+        for name, fn in list(fns.items()):
+            try:
+                for _ in range(warmup):
+                    fn()
+            except Exception as e:  # e.g. nvFuser failing to compile: report it, time the others
+                failed[name] = _first_line(e)
+                del fns[name]
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         times = {name: [] for name in fns}
@@ -148,7 +152,15 @@ def bench(preset_name: str = "nanogpt", impls=IMPLS, iters: int = 100, warmup: i
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "timing": f"CUDA events over {CALLS_PER_SAMPLE} back-to-back calls per sample, {iters} interleaved samples each",
             "matmul_tflops_measured": rate / 1e12, "copy_gbps_measured": bandwidth / 1e9, "matmul_gflop": flops / 1e9,
-            "compute_floor_ms": floor_ms, "results": rows}
+            "compute_floor_ms": floor_ms, "results": rows, "failed": failed}
+
+
+def _first_line(e: Exception) -> str:
+    """An exception's type and the first line that says what went wrong (nvFuser's
+    errors carry a C++ backtrace after it)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    said = next((ln for ln in lines if "ASSERT FAILED" in ln or "Error" in ln), lines[0] if lines else "")
+    return f"{type(e).__name__}: {said}"[:400]
 
 
 def _forward_fns(cfg, ref, x, impls):
@@ -172,7 +184,7 @@ def _train_fns(cfg, ref, x, impls):
     peak memory and saved-activation bytes."""
     from tpfuser.runtime import TPBlock
     grad = torch.randn_like(x)
-    fns, memory, forwards = {}, {}, {}
+    fns, memory, forwards, failed = {}, {}, {}, {}
     for impl, mesh in (("nvfuser", True), ("nvfuser-nomesh", False)):
         if impl in impls:
             model = TPBlock(cfg, mesh=mesh).load_full_state_dict(ref.state_dict())
@@ -188,8 +200,12 @@ def _train_fns(cfg, ref, x, impls):
             fwd().backward(grad)
             for p in ps:
                 p.grad = None
-        for _ in range(3):
-            step()
+        try:
+            for _ in range(3):
+                step()
+        except Exception as e:  # e.g. nvFuser failing to compile: report it, time the others
+            failed[impl] = _first_line(e)
+            continue
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -198,7 +214,7 @@ def _train_fns(cfg, ref, x, impls):
         memory[impl] = {"peak_mib_above_baseline": (torch.cuda.max_memory_allocated() - base) / 2**20,
                         "saved_activation_mib": saved_activation_bytes(fwd, ps) / 2**20}
         fns[impl] = step
-    return fns, memory
+    return fns, memory, failed
 
 
 REPORT_KEYS = {"preset": str, "config": dict, "pass": str, "mesh": str, "gpu": str, "torch": str, "timing": str,
@@ -240,6 +256,8 @@ def format_table(rep: dict) -> str:
         if "peak_mib_above_baseline" in r:
             line += f"{r['peak_mib_above_baseline']:>10.1f}{r['saved_activation_mib']:>10.1f}"
         lines.append(line)
+    for name, why in rep.get("failed", {}).items():
+        lines.append(f"{name:<16}failed: {why[:160]}")
     return "\n".join(lines)
 
 

@@ -407,14 +407,20 @@ def _causal_attention_backward(fd, gy, q, k, v, probs, keep, dropped, cfg, p):
     return grad_q, grad_k, grad_v
 
 
-def define_backward(fd: FusionDefinition, cfg: BlockConfig) -> BackwardFusion:
+def backward_output_names() -> list[str]:
+    return ["grad_x"] + [f"grad.{name}" for name in PARAM_NAMES]
+
+
+def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None) -> BackwardFusion:
     """The block's backward on global shapes.
 
     Inputs: grad_out [b, s, e], x, the parameters (PARAM_NAMES order), the saved
     tensors (saved_names order), then the forward's dropout scalars when dropout > 0:
     the residual (and fp32 attention) masks are drawn again from them; flash
     attention's own dropout is replayed by sdpfa_bwd from its saved philox state.
-    Outputs: grad_x, then the gradient of every parameter in PARAM_NAMES order.
+    Outputs: grad_x, then the gradient of every parameter in PARAM_NAMES order
+    (backward_output_names). `outputs`, a subset of those names, keeps only
+    them: nvFuser then compiles only what they need (to bisect a failure).
     """
     b, s, e, h, d = cfg.batch, cfg.seq, cfg.n_embd, cfg.n_head, cfg.head_dim
     dtype, p = _NV_DTYPE[cfg.torch_dtype], cfg.dropout
@@ -470,19 +476,22 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig) -> BackwardFusion:
     g_x = _ln_linear_backward(fd, fd.ops.cast(g_qkv, dtype), fd.ops.cast(w["x"], DataType.Float),
                               "ln_1", "attn.c_attn", w, grads, cfg)
 
-    bf.outputs["grad_x"] = fd.ops.cast(fd.ops.add(g_x1, g_x), dtype)
-    for name in PARAM_NAMES:
-        bf.outputs[f"grad.{name}"] = fd.ops.cast(grads[name], dtype)
-    for tv in bf.outputs.values():
-        fd.add_output(tv)
+    results = {"grad_x": fd.ops.add(g_x1, g_x)} | {f"grad.{name}": grads[name] for name in PARAM_NAMES}
+    unknown = set(outputs or ()) - set(results)
+    if unknown:
+        raise ValueError(f"outputs {sorted(unknown)}: not among {backward_output_names()}")
+    for name, tv in results.items():
+        if outputs is None or name in outputs:
+            bf.outputs[name] = fd.ops.cast(tv, dtype)
+            fd.add_output(bf.outputs[name])
     return bf
 
 
 def build_backward(cfg: BlockConfig, layout: Layout | None = None,
-                   options: ScheduleOptions = ScheduleOptions()) -> BackwardFusion:
+                   options: ScheduleOptions = ScheduleOptions(), outputs=None) -> BackwardFusion:
     """Define the backward and, when a layout is given, shard it on its mesh."""
     with FusionDefinition() as fd:
-        bf = define_backward(fd, cfg)
+        bf = define_backward(fd, cfg, outputs)
         if layout is not None:
             layout.check(cfg)
             schedule(bf, layout, options)

@@ -175,14 +175,22 @@ class ShardedBlock:
                  rng_seed: int = 0, rng_offset: int = 0, params=None):
         """(grad of x, [grad of each parameter shard in PARAM_NAMES order]) for this rank.
         The dropout masks are drawn again from (rng_seed, rng_offset): pass the forward's."""
-        params = self._checked_params(params)
-        self._validate("grad_out", grad_out, self.input_shape())
+        inputs = self.backward_inputs(grad_out, x, saved, rng_seed, rng_offset, params)
         if self._backward_fusion is None:
             self._backward_fusion = build_backward(self.cfg, self._mesh_layout, self.train_options)
-        inputs = [grad_out.contiguous(), x.contiguous(), *params, *(t.contiguous() for t in saved),
-                  *self._rng_inputs(rng_seed, rng_offset)]
         outs = self._backward_fusion.fd.execute(inputs)
         return outs[0], list(outs[1:])
+
+    def backward_inputs(self, grad_out: torch.Tensor, x: torch.Tensor, saved: list[torch.Tensor],
+                        rng_seed: int = 0, rng_offset: int = 0, params=None) -> list:
+        """The backward fusion's inputs, checked, in its order (fusion.define_backward)."""
+        params = self._checked_params(params)
+        self._validate("grad_out", grad_out, self.input_shape())
+        if len(saved) != len(saved_names(self.cfg)):
+            raise ValueError(f"saved: expected {len(saved_names(self.cfg))} tensors "
+                             f"({', '.join(saved_names(self.cfg))}), got {len(saved)}")
+        return [grad_out.contiguous(), x.contiguous(), *params, *(t.contiguous() for t in saved),
+                *self._rng_inputs(rng_seed, rng_offset)]
 
 
 def gather_output(local: torch.Tensor, layout: Layout, name: str = "out", group=None) -> torch.Tensor:

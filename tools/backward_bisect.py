@@ -1,0 +1,76 @@
+"""Which outputs of the meshed backward does nvFuser fail to compile, and why?
+
+One GPU, 1x1 mesh, `tiny`. The whole backward, then each output alone
+(define_backward(outputs=[name]): nvFuser compiles only what that output
+needs), built, scheduled on the mesh and run on the training forward's saved
+tensors. Parallel compilation is off, so an error is the failing segment's
+own. Writes $OUT/backward_bisect.json; prints a line per case.
+
+    source .nvf/setup.sh; PYTHONPATH=$PWD python3 tools/backward_bisect.py [seconds]
+"""
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("NVFUSER_DISABLE", "parallel_compile")
+os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
+import torch  # noqa: E402
+
+from tpfuser.config import Layout, preset  # noqa: E402
+from tpfuser.fusion import backward_output_names, build_backward  # noqa: E402
+from tpfuser.reference import make_block, make_input  # noqa: E402
+from tpfuser.runtime import ShardedBlock  # noqa: E402
+
+
+def where_it_failed(e: Exception) -> str:
+    """The assert's location and message, without nvFuser's C++ backtrace."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    keep = [i for i, ln in enumerate(lines) if "ASSERT FAILED" in ln or "Error from segmentation group" in ln]
+    i = keep[-1] if keep else 0
+    return " | ".join(lines[i:i + 3])[:1200]
+
+
+def saved_inputs(cfg, layout):
+    """The backward's inputs from a real training forward (which compiles on the mesh)."""
+    block = ShardedBlock(cfg, layout, device=torch.device("cuda")).load(make_block(cfg).state_dict())
+    x, g = block.shard_input(make_input(cfg)), block.shard_input(make_input(cfg, seed=2))
+    _, saved = block.forward_train(x, 1, 5)
+    return block.backward_inputs(g, x, saved, 1, 5)
+
+
+def main(budget_s: float) -> None:
+    deadline = time.time() + budget_s
+    rows, path = [], os.path.join(os.environ.get("OUT", "."), "backward_bisect.json")
+    layout = Layout(1, 1)
+    # The whole backward first (with and without dropout), then each output alone.
+    cases = [("bf16", 0.1, None), ("bf16", 0.0, None), ("fp32", 0.1, None), ("fp32", 0.0, None)]
+    cases += [(dtype, 0.1, [name]) for dtype in ("bf16", "fp32") for name in backward_output_names()]
+    inputs = {}
+    for dtype, dropout, outputs in cases:
+        if time.time() > deadline:
+            print("stopped: time budget spent", flush=True)
+            break
+        cfg = preset("tiny", dtype=dtype, dropout=dropout)
+        if (dtype, dropout) not in inputs:
+            inputs[dtype, dropout] = saved_inputs(cfg, layout)
+        row = {"dtype": dtype, "dropout": dropout, "outputs": outputs or "all"}
+        start = time.perf_counter()
+        try:
+            build_backward(cfg, layout, outputs=outputs).fd.execute(inputs[dtype, dropout])
+            row["ok"] = True
+        except Exception as e:  # nvFuser's compile asserts
+            row["ok"], row["error"] = False, where_it_failed(e)
+        row["seconds"] = round(time.perf_counter() - start, 1)
+        rows.append(row)
+        what = ",".join(outputs) if outputs else "all outputs"
+        print(f"bisect {dtype} p={dropout} {what:<26} {row['seconds']:>5}s  "
+              f"{'ok' if row['ok'] else 'FAIL ' + row['error'][:300]}", flush=True)
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(float(sys.argv[1]) if len(sys.argv) > 1 else 150)
+    sys.stdout.flush()
+    os._exit(0)   # nvFuser's multi-device objects can crash at interpreter exit (../shared/device/README.md)
