@@ -24,6 +24,9 @@ def _full_precision(no_tf32):
 def test_forward_matches_reference(name, dtype, dropout):
     result = check_forward(preset(name, dtype=dtype, dropout=dropout), Layout(1, 1), preset_name=name)
     assert result.rel_err <= TOLERANCES[dtype], result.as_dict()
+    # the fusion's masks, bit for bit, are dropout.keep_mask's (computed by torch)
+    assert len(result.mask_mismatches) == (0 if dropout == 0 else 3 if dtype == "fp32" else 2)
+    assert not any(result.mask_mismatches.values()), result.mask_mismatches
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -93,35 +93,6 @@ def test_main_job_without_gpu(capsys):
     assert out.rstrip().endswith(NO_GPU) and "allreduce over tp" in out
 
 
-@pytest.mark.parametrize("layout", [Layout(1, 1), Layout(4, 1), Layout(2, 4), Layout(2, 4, sp=True)],
-                         ids=["1x1", "4x1", "2x4", "2x4sp"])
-def test_rank_rng_offsets(layout):
-    from tpfuser.runtime import rank_rng_offsets
-    owners = {}   # philox counter -> the (offset, dp rank, stream) that draws from it
-    for offset in range(30):
-        for dp_rank in range(layout.dp):
-            resid = {rank_rng_offsets(offset, layout, dp_rank, t)[0] for t in range(layout.tp)}
-            # Residual masks: one stream for all tp ranks under TP, one per tp rank under SP.
-            assert len(resid) == (layout.tp if layout.sp else 1)
-            for t in range(layout.tp):
-                r, a = rank_rng_offsets(offset, layout, dp_rank, t)
-                for counter, who in ((r, ("resid_attn", t if layout.sp else 0)), (r + 1, ("resid_mlp", t if layout.sp else 0)),
-                                     (a, ("attn", t))):
-                    key = (offset, dp_rank, who)
-                    assert owners.setdefault(counter, key) == key, "two streams share a philox counter"
-    assert max(owners) < 2 ** 31
-    if layout == Layout(1, 1):   # what the GPU runs of 2026-12-02 used: 3 * offset + stream
-        assert rank_rng_offsets(7, layout, 0, 0) == (21, 23)
-
-
-def test_rank_rng_offset_limits():
-    from tpfuser.runtime import rank_rng_offsets
-    with pytest.raises(ValueError, match="rng_offset=-1: must be a non-negative int"):
-        rank_rng_offsets(-1, Layout(1, 1), 0, 0)
-    with pytest.raises(ValueError, match=r"rng_offset=1000000000: must be below 178956970 for a 2x2 mesh"):
-        rank_rng_offsets(10 ** 9, Layout(2, 2), 1, 0)
-
-
 def test_bench_refuses_what_this_machine_cannot_run(capsys):
     assert main(["bench", "--impl", "dtensor"]) == 2
     assert "implementation 'dtensor': must be one of" in capsys.readouterr().err

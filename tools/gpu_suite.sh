@@ -13,7 +13,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} NVIDIA_TF32_OVERRIDE=0 PYTHONUNBUFFERED=1
 T=timeout
 
 want bisect && echo "== 0. which outputs of the meshed backward nvFuser fails to compile, and the error" && \
-$T 200 python3 tools/backward_bisect.py 120 2>&1 | grep -E "^(bisect|stopped)" | cut -c1-400
+$T 200 python3 tools/backward_bisect.py ${BISECT_S:-120} 2>&1 | grep -E "^(bisect|stopped)" | cut -c1-400
 
 want variants && echo "== 0b. which schedule of the training fusions nvFuser compiles (NOTES.md)" && \
 { $T 420 python3 tools/backward_variants.py > "$OUT/variants.log" 2>&1; grep -E "^(tiny|nanogpt)" "$OUT/variants.log" || tail -20 "$OUT/variants.log"; }

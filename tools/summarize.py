@@ -28,7 +28,8 @@ for path in sorted(glob.glob(os.path.join(out, "dp_rank*.json"))):
 summary["dp_2x1"] = dp
 for r in dp:
     rows.append((f"2x1 rank {r['rank']} {r['preset']} {r['dtype']} p={r['dropout']}",
-                 f"rel err {r['rel_err']:.2e} <= {r['tolerance']:.0e}: {'ok' if r['ok'] else 'FAIL'}" if "rel_err" in r
+                 f"rel err {r['rel_err']:.2e} <= {r['tolerance']:.0e}, masks off the global slice "
+                 f"{sum(r.get('mask_mismatches', {}).values())}: {'ok' if r['ok'] else 'FAIL'}" if "rel_err" in r
                  else f"FAIL {r.get('error')}"))
 by_case = {}
 for r in dp:

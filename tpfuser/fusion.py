@@ -16,6 +16,7 @@ import math
 import os
 import socket
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -46,18 +47,20 @@ import nvfuser_direct as nvf  # noqa: E402
 from nvfuser_direct import DataType, FusionDefinition, ParallelType  # noqa: E402
 
 from tpfuser.config import BlockConfig, Layout
+from tpfuser.dropout import hash_positions, keep_threshold
 from tpfuser.plan import DP, TP, placements, saved_specs
 from tpfuser.reference import LN_EPS, PARAM_NAMES, param_shapes
 
 _NV_DTYPE = {torch.bfloat16: DataType.BFloat16, torch.float32: DataType.Float}
 _MESH_AXIS = {DP: ParallelType.mesh_y, TP: ParallelType.mesh_x}
 
-# Each dropout draws from its own philox stream: (offset input, + this number).
-# The fusion takes two offsets: "resid" for the masks of the residual region
-# (replicated over tp under tensor parallelism, so every tp rank draws the same
-# ones) and "tp" for the masks inside the tp region (attention probabilities: each
-# tp rank its own heads, so its own stream). runtime.rank_rng_offsets picks them.
-RNG_STREAMS = {"resid_attn": ("resid", 0), "resid_mlp": ("resid", 1), "attn": ("tp", 0)}
+# The dropouts drawn in the fusion hash (stream key, global position) (dropout.py),
+# so that a rank's mask is its slice of the unsharded run's mask. The fusion
+# takes, after the tensors, the key of each stream it draws and where the
+# rank's slice begins (rng_input_names).
+MASK_STARTS = {"resid_attn": ("start.batch", "start.seq", None),       # [b, s, e]
+               "resid_mlp": ("start.batch", "start.seq", None),
+               "attn": ("start.batch", "start.head", None, None)}     # [b, h, s, s]
 
 
 @dataclass
@@ -102,25 +105,48 @@ def _gelu_tanh(fd, x):
 
 
 def rng_input_names(cfg: BlockConfig) -> list[str]:
-    """The fusion's dropout scalars, in input order: the seed and the offset of
-    each region that draws masks in the fusion (RNG_STREAMS). In bf16 the tp
-    region's only dropout lives inside flash attention, so it takes no offset."""
+    """The fusion's dropout scalars, in input order: the key of each stream the
+    fusion draws, then where the rank's slice of each masked tensor begins. In
+    bf16 the attention dropout lives inside flash attention (ATen's own philox),
+    so the fusion draws only the two residual masks."""
     if cfg.dropout == 0:
         return []
-    return ["seed", "resid"] + (["tp"] if cfg.torch_dtype == torch.float32 else [])
+    streams = ["resid_attn", "resid_mlp"] + (["attn"] if cfg.torch_dtype == torch.float32 else [])
+    starts = sorted({name for stream in streams for name in MASK_STARTS[stream] if name})
+    return [f"key.{stream}" for stream in streams] + starts
 
 
 def _rng_scalars(fd, cfg):
     return {name: fd.define_scalar(dtype=DataType.Int) for name in rng_input_names(cfg)} or None
 
 
+def _int_ops(fd) -> SimpleNamespace:
+    """dropout.py's integer operations on nvFuser values."""
+    return SimpleNamespace(xor=fd.ops.bitwise_xor, band=fd.ops.bitwise_and, shr=fd.ops.bitwise_right_shift,
+                           shl=fd.ops.bitwise_left_shift, add=fd.ops.add, mul=fd.ops.mul)
+
+
+def _global_positions(fd, shape, starts):
+    """int64 index in the global tensor of `shape` of every element; `starts`:
+    per dimension, the scalar where this rank's slice begins, or None (not split).
+    nvFuser indexes a rank's kernel locally (device-parallel loops have index 0),
+    so the starts come in as inputs: iota(n, start) is the global coordinate."""
+    index, stride = None, 1
+    for dim in reversed(range(len(shape))):
+        start = starts[dim] if starts[dim] is not None else fd.define_scalar(0, dtype=DataType.Int)
+        coord = fd.ops.iota(fd.define_scalar(shape[dim], dtype=DataType.Int), start,
+                            fd.define_scalar(1, dtype=DataType.Int), dtype=DataType.Int)
+        term = fd.ops.broadcast_in_dim(fd.ops.mul(coord, stride), shape=list(shape), broadcast_dims=[dim])
+        index = term if index is None else fd.ops.add(index, term)
+        stride *= shape[dim]
+    return index
+
+
 def _keep_mask(fd, shape, p, rng, stream):
-    """Bernoulli(1 - p) keep-mask from philox(seed, region offset + stream number)."""
-    region, number = RNG_STREAMS[stream]
-    offset = fd.ops.add(rng[region], fd.define_scalar(number, dtype=DataType.Int))
-    u = fd.ops.uniform(fd.define_scalar(0.0, dtype=DataType.Double), fd.define_scalar(1.0, dtype=DataType.Double),
-                       shape=shape, rng_seed=rng["seed"], rng_offset=offset, dtype=DataType.Float)
-    return fd.ops.lt(u, fd.define_scalar(1.0 - p, dtype=DataType.Double))
+    """Bernoulli(1 - p) keep-mask: hash(stream key, global position) < (1 - p) 2**32."""
+    starts = [rng[name] if name else None for name in MASK_STARTS[stream]]
+    hashed = hash_positions(_global_positions(fd, shape, starts), rng[f"key.{stream}"], _int_ops(fd))
+    return fd.ops.lt(hashed, fd.define_scalar(keep_threshold(p), dtype=DataType.Int))
 
 
 def _dropout(fd, x, keep, p):
@@ -179,7 +205,7 @@ def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, 
     """Define the block forward on global shapes inside `fd` (not yet sharded).
 
     Inputs: x [b, s, e], then the parameters in PARAM_NAMES order, then, when
-    cfg.dropout > 0, the scalars rng_seed and the two region offsets (RNG_STREAMS). Outputs: out [b, s, e];
+    cfg.dropout > 0, the dropout scalars (rng_input_names). Outputs: out [b, s, e];
     with check=True also the keep-masks of every dropout drawn in the fusion;
     with train=True also what the backward needs (saved_names).
     """

@@ -57,6 +57,12 @@ class Masks:
     resid_mlp: torch.Tensor
     attn: Optional[torch.Tensor] = None
 
+    def batch_slice(self, parts: int, index: int) -> "Masks":
+        """The masks of one of `parts` equal chunks of the batch."""
+        def cut(t):
+            return None if t is None else t.chunk(parts, dim=0)[index]
+        return Masks(cut(self.resid_attn), cut(self.resid_mlp), cut(self.attn))
+
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))

@@ -15,38 +15,33 @@ from typing import Optional
 import torch
 
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.fusion import RNG_STREAMS, ScheduleOptions, build_backward, build_forward, rng_input_names, saved_names
+from tpfuser.dropout import STREAMS, stream_key
+from tpfuser.fusion import MASK_STARTS, ScheduleOptions, build_backward, build_forward, rng_input_names, saved_names
 from tpfuser.plan import PARAM_PLACEMENTS, local_shape, placements
 from tpfuser.reference import PARAM_NAMES, param_shapes
-from tpfuser.shard import fusion_params, local_slice, rank_params
+from tpfuser.shard import fusion_params, local_slice, rank_params, slice_starts
 
-# nvFuser's generated kernels hold the philox offset in the index type (32-bit
-# for these sizes): an offset of 2**40 wrapped to 0 on the H200 and gave every
-# dp rank the same masks. Offsets therefore stay below 2**31.
-RNG_OFFSET_LIMIT = 1 << 31
+# The tensors each dropout stream masks (fusion.MASK_STARTS, plan.placements).
+MASKED = {"resid_attn": "resid_attn_keep", "resid_mlp": "resid_mlp_keep", "attn": "attn_keep"}
 
 
-def rank_rng_offsets(rng_offset: int, layout: Layout, dp_rank: int, tp_rank: int) -> tuple[int, int]:
-    """This rank's philox offsets for the fusion's two dropout regions (fusion.RNG_STREAMS).
+def mask_shape(cfg: BlockConfig, stream: str) -> tuple[int, ...]:
+    b, s, e, h = cfg.batch, cfg.seq, cfg.n_embd, cfg.n_head
+    return (b, h, s, s) if stream == "attn" else (b, s, e)
 
-    Each (user offset, dp rank, tp rank) owns a block of 3 counters: the two
-    residual streams, then the attention-probability stream. The residual masks
-    come from tp rank 0's block on every tp rank under tensor parallelism
-    (Megatron replicates them) and from the rank's own block under sequence
-    parallelism (each rank drops its own part of the sequence). Attention
-    dropout always uses the rank's own block: each tp rank draws for its own
-    heads. Data-parallel replicas never share a block."""
-    if not isinstance(rng_offset, int) or rng_offset < 0:
-        raise ValueError(f"rng_offset={rng_offset!r}: must be a non-negative int")
-    n, per_offset = len(RNG_STREAMS), layout.dp * layout.tp * len(RNG_STREAMS)
-    if (rng_offset + 1) * per_offset > RNG_OFFSET_LIMIT:
-        raise ValueError(f"rng_offset={rng_offset}: must be below {RNG_OFFSET_LIMIT // per_offset} "
-                         f"for a {layout.dp}x{layout.tp} mesh (the fusion's philox offsets are 32-bit)")
 
-    def block(tp_index: int) -> int:
-        return ((rng_offset * layout.dp + dp_rank) * layout.tp + tp_index) * n
-
-    return block(tp_rank if layout.sp else 0), block(tp_rank) + 2
+def dropout_scalars(cfg: BlockConfig, layout: Layout, rank: int, rng_seed: int, rng_offset: int) -> dict[str, int]:
+    """The fusion's dropout inputs for this rank (fusion.rng_input_names): every
+    stream's key, the same on all ranks (dropout.stream_key), and where this
+    rank's slice of each masked tensor begins in the global tensor."""
+    values = {}
+    for stream in STREAMS:
+        values[f"key.{stream}"] = stream_key(rng_seed, rng_offset, stream)
+        starts = slice_starts(mask_shape(cfg, stream), placements(layout)[MASKED[stream]], layout, rank)
+        for name, start in zip(MASK_STARTS[stream], starts):
+            if name and values.setdefault(name, start) != start:
+                raise AssertionError(f"{name}: {stream} starts at {start}, another mask at {values[name]}")
+    return values
 
 
 def check_world(layout: Layout, world_size: int, local_gpus: Optional[int] = None, local_ranks: Optional[int] = None) -> None:
@@ -137,10 +132,7 @@ class ShardedBlock:
     def _rng_inputs(self, rng_seed, rng_offset) -> list[int]:
         if self.cfg.dropout == 0:
             return []
-        if not isinstance(rng_seed, int) or not 0 <= rng_seed < RNG_OFFSET_LIMIT:
-            raise ValueError(f"rng_seed={rng_seed!r}: must be an int in [0, 2**31)")
-        resid, tp_region = rank_rng_offsets(rng_offset, self.layout, self.dp_rank, self.tp_rank)
-        values = {"seed": rng_seed, "resid": resid, "tp": tp_region}
+        values = dropout_scalars(self.cfg, self.layout, self.rank, rng_seed, rng_offset)
         return [values[name] for name in rng_input_names(self.cfg)]
 
     def _checked_params(self, params) -> list[torch.Tensor]:

@@ -30,6 +30,14 @@ def local_slice(t: torch.Tensor, placement: Placement, layout: Layout, rank: int
     return t.contiguous()
 
 
+def slice_starts(shape, placement: Placement, layout: Layout, rank: int) -> list[int]:
+    """Where this rank's chunk (local_slice) begins in the global tensor, per dimension."""
+    coords = dict(zip((DP, TP), layout.rank_coords(rank)))
+    sizes = {DP: layout.dp, TP: layout.tp}
+    return [coords[placement[d]] * (n // sizes[placement[d]]) if d in placement else 0
+            for d, n in enumerate(shape)]
+
+
 def gather(shards: list[torch.Tensor], placement: Placement, layout: Layout) -> torch.Tensor:
     """Inverse of local_slice: reassemble the global tensor from every rank's shard
     (ranks in order). Ranks that hold replicas of a chunk must agree exactly."""

@@ -1,0 +1,104 @@
+"""Dropout masks that do not depend on the sharding (tpfuser/dropout.py):
+the hash, its statistics, and that every rank's slice assembles into the
+unsharded mask, with the very scalars the runtime passes to the fusion."""
+import math
+import random
+
+import pytest
+import torch
+
+from tpfuser.config import Layout, preset
+from tpfuser.dropout import M32, MUL1, MUL2, STREAMS, keep_mask, keep_threshold, mix32, stream_key
+from tpfuser.plan import local_shape, placements
+from tpfuser.runtime import MASKED, dropout_scalars, mask_shape
+from tpfuser.shard import gather
+
+
+def lowbias32(x):
+    """The published hash, written plainly with Python's big ints."""
+    x ^= x >> 16
+    x = (x * MUL1) & M32
+    x ^= x >> 15
+    x = (x * MUL2) & M32
+    return x ^ (x >> 16)
+
+
+def test_mix32_is_lowbias32_on_ints_and_int64_tensors():
+    rng = random.Random(0)
+    xs = [0, 1, 2, 0xFFFF, 0x10000, M32] + [rng.getrandbits(32) for _ in range(2000)]
+    assert [mix32(x) for x in xs] == [lowbias32(x) for x in xs]
+    assert mix32(torch.tensor(xs)).tolist() == [lowbias32(x) for x in xs]
+
+
+def test_stream_keys_differ_and_bad_seeds_are_refused():
+    keys = {stream_key(seed, offset, s) for seed in (0, 1, 2**40) for offset in range(20) for s in STREAMS}
+    assert len(keys) == 3 * 20 * len(STREAMS) and max(keys) < 2**62
+    with pytest.raises(ValueError, match=r"rng_offset=-1: must be an int in \[0, 2\*\*64\)"):
+        stream_key(0, -1, "attn")
+    with pytest.raises(ValueError, match="rng_seed=1.5"):
+        stream_key(1.5, 0, "attn")
+    with pytest.raises(ValueError, match="dropout p=1.0"):
+        keep_threshold(1.0)
+
+
+def test_keep_rate_and_no_correlation_between_neighbours():
+    """2**20 draws: the keep rate and the lag-1 correlations (along the last and
+    the first dimension, and between two streams at the same position) within
+    5 standard deviations of independent Bernoulli(0.9) draws."""
+    p, shape = 0.1, (64, 128, 128)
+    n = math.prod(shape)
+    a = keep_mask(stream_key(1234, 0, "resid_attn"), p, shape).double()
+    b = keep_mask(stream_key(1234, 0, "resid_mlp"), p, shape).double()
+    c = keep_mask(stream_key(1234, 1, "resid_attn"), p, shape).double()
+    sigma = math.sqrt(p * (1 - p) / n)
+    assert abs(a.mean().item() - (1 - p)) < 5 * sigma
+
+    def corr(u, v):
+        u, v = u.flatten() - u.mean(), v.flatten() - v.mean()
+        return (u @ v / (u.norm() * v.norm())).item()
+    for u, v, what in ((a[..., 1:], a[..., :-1], "last dim"), (a[1:], a[:-1], "first dim"),
+                       (a, b, "two streams"), (a, c, "two offsets")):
+        assert abs(corr(u, v)) < 5 / math.sqrt(u.numel()), what
+
+
+def rank_masks(cfg, layout, stream, seed=7, offset=3):
+    """Every rank's mask, drawn on its local shape from the scalars the runtime gives its fusion."""
+    from tpfuser.fusion import MASK_STARTS
+    shape, placement = mask_shape(cfg, stream), placements(layout)[MASKED[stream]]
+    masks = []
+    for rank in range(layout.world_size):
+        scalars = dropout_scalars(cfg, layout, rank, seed, offset)
+        starts = [scalars[name] if name else 0 for name in MASK_STARTS[stream]]
+        masks.append(keep_mask(scalars[f"key.{stream}"], cfg.dropout, local_shape(shape, placement, layout),
+                               starts, shape))
+    return masks, placement
+
+
+@pytest.mark.parametrize("layout", [Layout(1, 4), Layout(1, 4, sp=True), Layout(2, 4), Layout(2, 4, sp=True)],
+                         ids=["1x4", "1x4sp", "2x4", "2x4sp"])
+@pytest.mark.parametrize("stream", list(STREAMS))
+def test_rank_masks_assemble_into_the_unsharded_mask(layout, stream):
+    cfg = preset("tiny", dtype="fp32")
+    masks, placement = rank_masks(cfg, layout, stream)
+    unsharded = rank_masks(cfg, Layout(1, 1), stream)[0][0]
+    assert torch.equal(gather(masks, placement, layout), unsharded)
+
+
+def test_local_positions_would_not_assemble():
+    """The negative control: drawing on local positions (as philox does) gives
+    every tp rank of SP the first rank's slice, not the unsharded mask."""
+    cfg, layout = preset("tiny", dtype="fp32"), Layout(1, 4, sp=True)
+    shape, placement = mask_shape(cfg, "resid_attn"), placements(layout)[MASKED["resid_attn"]]
+    local = local_shape(shape, placement, layout)
+    key = stream_key(7, 3, "resid_attn")
+    masks = [keep_mask(key, cfg.dropout, local) for _ in range(layout.world_size)]
+    assert not torch.equal(gather(masks, placement, layout), keep_mask(key, cfg.dropout, shape))
+
+
+def test_dropout_scalars_of_a_rank():
+    cfg = preset("tiny", dtype="fp32")   # b 4, s 16, h 8
+    tp = dropout_scalars(cfg, Layout(2, 4), 6, 0, 0)   # dp rank 1, tp rank 2
+    sp = dropout_scalars(cfg, Layout(2, 4, sp=True), 6, 0, 0)
+    assert (tp["start.batch"], tp["start.seq"], tp["start.head"]) == (2, 0, 4)
+    assert (sp["start.batch"], sp["start.seq"], sp["start.head"]) == (2, 8, 4)
+    assert tp["key.attn"] == sp["key.attn"] == stream_key(0, 0, "attn")
