@@ -72,7 +72,9 @@ def cmd_check(args) -> int:
     verdict = "ok" if result.ok else "FAIL"
     print(f"rank {rank}: {args.preset} {cfg.dtype} dropout={cfg.dropout} mesh {layout.dp}x{layout.tp}: "
           f"out rel L2 error {result.rel_err:.2e} (tolerance {result.tolerance:.0e}) {verdict}"
-          + "".join(f"; {k} keep rate {v:.4f}" for k, v in result.keep_rates.items()), flush=True)
+          + "".join(f"; {k} keep rate {v:.4f}" for k, v in result.keep_rates.items())
+          + (f"; masks equal to the unsharded run's slice: {'yes' if not any(result.mask_mismatches.values()) else 'NO'}"
+             if result.mask_mismatches else ""), flush=True)
     return 0 if result.ok else 1
 
 
