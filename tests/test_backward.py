@@ -61,12 +61,18 @@ def test_backward_simulation_is_sensitive():
 
 @pytest.mark.parametrize("layout", MESHES, ids=MESH_IDS)
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_backward_builds_and_is_sharded_as_planned(layout, dtype):
-    from tpfuser.fusion import build_backward, build_forward, loop_sharding, saved_names
+@pytest.mark.parametrize("qkv_grad", ["cat", "split"])
+def test_backward_builds_and_is_sharded_as_planned(layout, dtype, qkv_grad):
+    from tpfuser.fusion import (backward_output_names, build_backward, build_forward, fusion_text, loop_sharding,
+                                saved_names)
     from tests.test_fusion import expected_loop, mesh_text
     cfg = preset("tiny", dtype=dtype)
-    bf = build_backward(cfg, layout)
-    assert list(bf.outputs) == ["grad_x", *[f"grad.{n}" for n in PARAM_NAMES]]
+    bf = build_backward(cfg, layout, qkv_grad=qkv_grad)
+    assert list(bf.outputs) == backward_output_names(qkv_grad)
+    if qkv_grad == "cat":
+        assert list(bf.outputs) == ["grad_x", *[f"grad.{n}" for n in PARAM_NAMES]]
+    else:   # c_attn's two gradients in q, k, v parts, no concatenation
+        assert len(bf.outputs) == 1 + len(PARAM_NAMES) + 4 and "cat(" not in fusion_text(bf)
     assert list(bf.inputs) == ["grad_out", "x", *PARAM_NAMES, *saved_names(cfg)]
     ff = build_forward(cfg, layout, train=True)
     assert list(ff.outputs) == ["out", *saved_names(cfg)]
@@ -74,6 +80,7 @@ def test_backward_builds_and_is_sharded_as_planned(layout, dtype):
     from tpfuser.reference import param_shapes
     shapes = {**param_shapes(cfg), **saved_shapes(cfg), **{f"grad.{n}": v for n, v in param_shapes(cfg).items()},
               "x": (4, 16, 64), "grad_out": (4, 16, 64), "grad_x": (4, 16, 64)}
+    shapes |= {f"grad.attn.c_attn.weight.{p}": (64, 64) for p in "qkv"} | {f"grad.attn.c_attn.bias.{p}": (64,) for p in "qkv"}
     for name, tv in {**bf.inputs, **bf.outputs, **ff.outputs}.items():
         if name == "out":
             continue

@@ -35,6 +35,15 @@ def test_gradients_match_reference_autograd(name, dtype, mesh):
 
 
 @pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_split_qkv_gradients_match_reference_autograd(dtype, mesh):
+    """The backward that gives c_attn's gradients in q, k, v parts (no concatenation)."""
+    errors = check_backward(preset("tiny", dtype=dtype), mesh=mesh, qkv_grad="split")
+    bad = {k: v for k, v in errors.items() if v > GRAD_TOLERANCES[dtype]}
+    assert not bad, (bad, errors)
+
+
+@pytest.mark.parametrize("mesh", MESHES)
 def test_sgd_trajectory_matches_reference(mesh):
     """20 SGD steps on tiny, fp32, dropout 0: the same losses within 1e-4 (relative)."""
     from tpfuser.runtime import TPBlock

@@ -1,6 +1,7 @@
 """Which outputs of the meshed backward does nvFuser fail to compile, and why?
 
-One GPU, 1x1 mesh, `tiny`. The whole backward, then each output alone
+One GPU, 1x1 mesh, `tiny`, dropout 0.1. The whole backward, with c_attn's
+gradients concatenated (qkv_grad="cat") and in parts ("split"), then each output alone
 (define_backward(outputs=[name]): nvFuser compiles only what that output
 needs), built, scheduled on the mesh and run on the training forward's saved
 tensors. Parallel compilation is off, so an error is the failing segment's
@@ -42,32 +43,36 @@ def saved_inputs(cfg, layout):
 def main(budget_s: float) -> None:
     deadline = time.time() + budget_s
     rows, path = [], os.path.join(os.environ.get("OUT", "."), "backward_bisect.json")
-    layout = Layout(1, 1)
-    # The whole backward first (with and without dropout), then each output alone.
-    cases = [("bf16", 0.1, None), ("bf16", 0.0, None), ("fp32", 0.1, None), ("fp32", 0.0, None)]
-    cases += [(dtype, 0.1, [name]) for dtype in ("bf16", "fp32") for name in backward_output_names()]
-    inputs = {}
-    for dtype, dropout, outputs in cases:
-        if time.time() > deadline:
-            print("stopped: time budget spent", flush=True)
-            break
-        cfg = preset("tiny", dtype=dtype, dropout=dropout)
-        if (dtype, dropout) not in inputs:
-            inputs[dtype, dropout] = saved_inputs(cfg, layout)
-        row = {"dtype": dtype, "dropout": dropout, "outputs": outputs or "all"}
+    layout, inputs = Layout(1, 1), {}
+
+    def run(dtype, qkv_grad, outputs):
+        cfg = preset("tiny", dtype=dtype)
+        if dtype not in inputs:
+            inputs[dtype] = saved_inputs(cfg, layout)
+        row = {"dtype": dtype, "dropout": cfg.dropout, "qkv_grad": qkv_grad, "outputs": outputs or "all"}
         start = time.perf_counter()
         try:
-            build_backward(cfg, layout, outputs=outputs).fd.execute(inputs[dtype, dropout])
+            build_backward(cfg, layout, outputs=outputs, qkv_grad=qkv_grad).fd.execute(inputs[dtype])
             row["ok"] = True
         except Exception as e:  # nvFuser's compile asserts
             row["ok"], row["error"] = False, where_it_failed(e)
         row["seconds"] = round(time.perf_counter() - start, 1)
         rows.append(row)
         what = ",".join(outputs) if outputs else "all outputs"
-        print(f"bisect {dtype} p={dropout} {what:<26} {row['seconds']:>5}s  "
+        print(f"bisect {dtype} qkv_grad={qkv_grad} {what:<28} {row['seconds']:>5}s  "
               f"{'ok' if row['ok'] else 'FAIL ' + row['error'][:300]}", flush=True)
         with open(path, "w") as f:
             json.dump(rows, f, indent=1)
+        return row["ok"]
+
+    # The whole backward in each form first, then each output alone of the forms that failed.
+    failed = [(dtype, qkv) for dtype in ("bf16", "fp32") for qkv in ("split", "cat") if not run(dtype, qkv, None)]
+    for dtype, qkv in failed:
+        for name in backward_output_names(qkv):
+            if time.time() > deadline:
+                print("stopped: time budget spent", flush=True)
+                return
+            run(dtype, qkv, [name])
 
 
 if __name__ == "__main__":

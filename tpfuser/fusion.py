@@ -402,17 +402,20 @@ def _layer_norm_backward(fd, g, xhat, rstd, weight, b, s, e):
     return fd.ops.mul(centered, _bcast_rows(fd, rstd, b, s, e)), grad_weight, grad_bias
 
 
-def _ln_linear_backward(fd, g, x, ln, linear, w, grads, cfg):
-    """Backward of linear(ln(x)) for a column-parallel linear: fills the
-    gradients of the linear's weight and of the LayerNorm's parameters, and
-    returns the gradient of x (float). g: the linear's output gradient (block
-    dtype); x: float [b, s, e]; the LayerNorm is recomputed from its saved stats.
-    The linear's input gradient is a partial sum over tp: nvFuser all-reduces it."""
+def _ln_linear_backward(fd, pairs, x, ln, w, grads, cfg):
+    """Backward of column-parallel linears that share one LayerNorm input:
+    pairs are (output gradient in the block dtype, weight, name of the weight's
+    gradient); fills those gradients and the LayerNorm's, and returns the
+    gradient of x (float). x: float [b, s, e]; the LayerNorm is recomputed from
+    its saved stats. The linears' input gradient is a partial sum over tp: nvFuser all-reduces it."""
     b, s, e = cfg.batch, cfg.seq, cfg.n_embd
     xhat = _normalize(fd, x, w[f"{ln}.mean"], w[f"{ln}.rstd"], b, s, e)
     ln_out = fd.ops.cast(_affine(fd, xhat, w[f"{ln}.weight"], w[f"{ln}.bias"], b, s, e), _NV_DTYPE[cfg.torch_dtype])
-    grads[f"{linear}.weight"] = _weight_grad(fd, g, ln_out, b, s)
-    g_ln = fd.ops.cast(_input_grad(fd, g, w[f"{linear}.weight"], b, s), DataType.Float)
+    g_ln = None
+    for g, weight, name in pairs:
+        grads[name] = _weight_grad(fd, g, ln_out, b, s)
+        part = fd.ops.cast(_input_grad(fd, g, weight, b, s), DataType.Float)
+        g_ln = part if g_ln is None else fd.ops.add(g_ln, part)
     g_x, grads[f"{ln}.weight"], grads[f"{ln}.bias"] = _layer_norm_backward(
         fd, g_ln, xhat, w[f"{ln}.rstd"], w[f"{ln}.weight"], b, s, e)
     return g_x
@@ -433,11 +436,20 @@ def _causal_attention_backward(fd, gy, q, k, v, probs, keep, dropped, cfg, p):
     return grad_q, grad_k, grad_v
 
 
-def backward_output_names() -> list[str]:
-    return ["grad_x"] + [f"grad.{name}" for name in PARAM_NAMES]
+QKV_PARTS = ("q", "k", "v")
+QKV_GRAD = "cat"   # the runtime's default way to form c_attn's gradients (define_backward)
+QKV_GRAD_NAMES = ("attn.c_attn.weight", "attn.c_attn.bias")
 
 
-def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None) -> BackwardFusion:
+def backward_output_names(qkv_grad: str = QKV_GRAD) -> list[str]:
+    names = []
+    for name in PARAM_NAMES:
+        split = qkv_grad == "split" and name in QKV_GRAD_NAMES
+        names += [f"{name}.{part}" for part in QKV_PARTS] if split else [name]
+    return ["grad_x"] + [f"grad.{name}" for name in names]
+
+
+def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None, qkv_grad: str = QKV_GRAD) -> BackwardFusion:
     """The block's backward on global shapes.
 
     Inputs: grad_out [b, s, e], x, the parameters (PARAM_NAMES order), the saved
@@ -447,7 +459,11 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None) -> Bac
     Outputs: grad_x, then the gradient of every parameter in PARAM_NAMES order
     (backward_output_names). `outputs`, a subset of those names, keeps only
     them: nvFuser then compiles only what they need (to bisect a failure).
+    qkv_grad="split" gives the c_attn gradients in q, k, v parts instead of
+    concatenating them (see below).
     """
+    if qkv_grad not in ("cat", "split"):
+        raise ValueError(f"qkv_grad={qkv_grad!r}: must be 'cat' or 'split'")
     b, s, e, h, d = cfg.batch, cfg.seq, cfg.n_embd, cfg.n_head, cfg.head_dim
     dtype, p = _NV_DTYPE[cfg.torch_dtype], cfg.dropout
     bf = BackwardFusion(fd, cfg, has_rng=p > 0)
@@ -472,7 +488,8 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None) -> Bac
     g_h = fd.ops.mul(fd.ops.cast(_input_grad(fd, g_mlp, w["mlp.c_proj.weight"], b, s), DataType.Float),
                      _gelu_tanh_grad(fd, h_pre))                             # (b, s, 4e)
     grads["mlp.c_fc.bias"] = _sum_rows(fd, g_h)
-    g_x1 = fd.ops.add(g, _ln_linear_backward(fd, fd.ops.cast(g_h, dtype), w["x1"], "ln_2", "mlp.c_fc", w, grads, cfg))
+    g_x1 = fd.ops.add(g, _ln_linear_backward(fd, [(fd.ops.cast(g_h, dtype), w["mlp.c_fc.weight"], "mlp.c_fc.weight")],
+                                             w["x1"], "ln_2", w, grads, cfg))
 
     # Attention branch: x1 = x + dropout(attn(ln_1(x)) W_proj^T + b_proj)
     g_attn = _dropout(fd, g_x1, _keep_mask(fd, [b, s, e], p, rng, "resid_attn"), p) if p > 0 else g_x1
@@ -494,18 +511,33 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None) -> Bac
             fd.define_scalar(True, dtype=DataType.Bool), w["sdpa_seed"], w["sdpa_offset"], None)
     else:
         g_q, g_k, g_v = _causal_attention_backward(fd, g_y, q, k, v, probs, keep, dropped, cfg, p)
-    # Back to the fusion's qkv row order, [h, 3, d]: cat before the reshape,
-    # so that the concatenation is not along the tp-split dimension.
-    g_qkv = fd.ops.cat([fd.ops.permute(t, dims=[0, 2, 1, 3]) for t in (g_q, g_k, g_v)], dim=3, manual_padding=0)
-    g_qkv = fd.ops.reshape(g_qkv, new_shape=[b, s, 3 * e])                 # (b, s, 3e)
-    grads["attn.c_attn.bias"] = _sum_rows(fd, fd.ops.cast(g_qkv, DataType.Float))
-    g_x = _ln_linear_backward(fd, fd.ops.cast(g_qkv, dtype), fd.ops.cast(w["x"], DataType.Float),
-                              "ln_1", "attn.c_attn", w, grads, cfg)
+    if qkv_grad == "cat":
+        # Back to the fusion's qkv row order, [h, 3, d]: cat before the reshape,
+        # so that the concatenation is not along the tp-split dimension.
+        g_qkv = fd.ops.cat([fd.ops.permute(t, dims=[0, 2, 1, 3]) for t in (g_q, g_k, g_v)], dim=3, manual_padding=0)
+        g_qkv = fd.ops.reshape(g_qkv, new_shape=[b, s, 3 * e])                 # (b, s, 3e)
+        grads["attn.c_attn.bias"] = _sum_rows(fd, fd.ops.cast(g_qkv, DataType.Float))
+        pairs = [(fd.ops.cast(g_qkv, dtype), w["attn.c_attn.weight"], "attn.c_attn.weight")]
+    else:
+        # No concatenation (nvFuser's resize scheduler fails on it under a mesh:
+        # NOTES.md): q, k and v as three linears whose weights are row slices
+        # of c_attn; the gradients come out in three parts (QKV_PARTS) that the
+        # runtime interleaves.
+        weight = fd.ops.reshape(w["attn.c_attn.weight"], new_shape=[h, 3, d, e])
+        pairs = []
+        for i, (part, g_part) in enumerate(zip(QKV_PARTS, (g_q, g_k, g_v))):
+            g_part = fd.ops.reshape(fd.ops.permute(g_part, dims=[0, 2, 1, 3]), new_shape=[b, s, e])   # (b, s, h*d)
+            w_part = fd.ops.reshape(fd.ops.slice(weight, start_indices=[0, i, 0, 0], end_indices=[h, i + 1, d, e]),
+                                    new_shape=[e, e])
+            grads[f"attn.c_attn.bias.{part}"] = _sum_rows(fd, fd.ops.cast(g_part, DataType.Float))
+            pairs.append((fd.ops.cast(g_part, dtype), w_part, f"attn.c_attn.weight.{part}"))
+    g_x = _ln_linear_backward(fd, pairs, fd.ops.cast(w["x"], DataType.Float), "ln_1", w, grads, cfg)
 
-    results = {"grad_x": fd.ops.add(g_x1, g_x)} | {f"grad.{name}": grads[name] for name in PARAM_NAMES}
+    grads = {"grad_x": fd.ops.add(g_x1, g_x)} | {f"grad.{name}": t for name, t in grads.items()}
+    results = {name: grads[name] for name in backward_output_names(qkv_grad)}
     unknown = set(outputs or ()) - set(results)
     if unknown:
-        raise ValueError(f"outputs {sorted(unknown)}: not among {backward_output_names()}")
+        raise ValueError(f"outputs {sorted(unknown)}: not among {list(results)}")
     for name, tv in results.items():
         if outputs is None or name in outputs:
             bf.outputs[name] = fd.ops.cast(tv, dtype)
@@ -514,10 +546,10 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None) -> Bac
 
 
 def build_backward(cfg: BlockConfig, layout: Layout | None = None,
-                   options: ScheduleOptions = ScheduleOptions(), outputs=None) -> BackwardFusion:
+                   options: ScheduleOptions = ScheduleOptions(), outputs=None, qkv_grad: str = QKV_GRAD) -> BackwardFusion:
     """Define the backward and, when a layout is given, shard it on its mesh."""
     with FusionDefinition() as fd:
-        bf = define_backward(fd, cfg, outputs)
+        bf = define_backward(fd, cfg, outputs, qkv_grad)
         if layout is not None:
             layout.check(cfg)
             schedule(bf, layout, options)

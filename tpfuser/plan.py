@@ -88,6 +88,8 @@ def saved_bytes_per_rank(cfg: BlockConfig, layout: Layout) -> int:
 GRAD_PLACEMENTS: dict[str, Placement] = {
     "grad_out": {0: DP}, "grad_x": {0: DP},
     **{f"grad.{name}": placement for name, placement in PARAM_PLACEMENTS.items()},
+    # the c_attn gradients in q, k, v parts (fusion.define_backward(qkv_grad="split"))
+    **{f"grad.attn.c_attn.{kind}.{part}": {0: TP} for kind in ("weight", "bias") for part in "qkv"},
 }
 
 PLACEMENTS: dict[str, Placement] = {**PARAM_PLACEMENTS, **ACTIVATION_PLACEMENTS, **SAVED_PLACEMENTS,

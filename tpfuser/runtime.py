@@ -16,10 +16,10 @@ import torch
 
 from tpfuser.config import BlockConfig, Layout
 from tpfuser.dropout import STREAMS, stream_key
-from tpfuser.fusion import MASK_STARTS, ScheduleOptions, build_backward, build_forward, rng_input_names, saved_names
+from tpfuser.fusion import MASK_STARTS, QKV_GRAD, QKV_PARTS, ScheduleOptions, build_backward, build_forward, rng_input_names, saved_names
 from tpfuser.plan import PARAM_PLACEMENTS, local_shape, placements
 from tpfuser.reference import PARAM_NAMES, param_shapes
-from tpfuser.shard import fusion_params, local_slice, rank_params, slice_starts
+from tpfuser.shard import fusion_params, local_slice, qkv_from_parts, rank_params, slice_starts
 
 # The tensors each dropout stream masks (fusion.MASK_STARTS, plan.placements).
 MASKED = {"resid_attn": "resid_attn_keep", "resid_mlp": "resid_mlp_keep", "attn": "attn_keep"}
@@ -59,10 +59,11 @@ class ShardedBlock:
 
     def __init__(self, cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, check: bool = False,
                  device: Optional[torch.device] = None, mesh: bool = True,
-                 train_options: ScheduleOptions = ScheduleOptions()):
+                 train_options: ScheduleOptions = ScheduleOptions(), qkv_grad: str = QKV_GRAD):
         """mesh=False (1x1 only) builds the fusion without a device mesh: the
         same math, run by nvFuser's single-device executor (see NOTES.md).
-        train_options: how the training forward and the backward are scheduled."""
+        train_options: how the training forward and the backward are scheduled;
+        qkv_grad: how the backward forms c_attn's gradients (fusion.define_backward)."""
         layout.check(cfg)
         if not mesh and layout.world_size != 1:
             raise ValueError(f"mesh=False needs a 1x1 layout, got {layout.dp}x{layout.tp}")
@@ -75,6 +76,7 @@ class ShardedBlock:
         self._params: Optional[list[torch.Tensor]] = None
         self._train_fusion = self._backward_fusion = None   # built on first use
         self.train_options = train_options
+        self.qkv_grad = qkv_grad
 
     # -- parameters -------------------------------------------------------
     def load(self, state: dict[str, torch.Tensor]) -> "ShardedBlock":
@@ -169,9 +171,13 @@ class ShardedBlock:
         The dropout masks are drawn again from (rng_seed, rng_offset): pass the forward's."""
         inputs = self.backward_inputs(grad_out, x, saved, rng_seed, rng_offset, params)
         if self._backward_fusion is None:
-            self._backward_fusion = build_backward(self.cfg, self._mesh_layout, self.train_options)
-        outs = self._backward_fusion.fd.execute(inputs)
-        return outs[0], list(outs[1:])
+            self._backward_fusion = build_backward(self.cfg, self._mesh_layout, self.train_options,
+                                                   qkv_grad=self.qkv_grad)
+        named = dict(zip(self._backward_fusion.outputs, self._backward_fusion.fd.execute(inputs)))
+        grads = [named[f"grad.{name}"] if f"grad.{name}" in named else
+                 qkv_from_parts([named[f"grad.{name}.{part}"] for part in QKV_PARTS], self.cfg.head_dim)
+                 for name in PARAM_NAMES]
+        return named["grad_x"], grads
 
     def backward_inputs(self, grad_out: torch.Tensor, x: torch.Tensor, saved: list[torch.Tensor],
                         rng_seed: int = 0, rng_offset: int = 0, params=None) -> list:
