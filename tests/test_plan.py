@@ -83,3 +83,18 @@ def test_tp_allreduce_wire_bytes():
     from tpfuser.plan import collectives
     (first, _) = collectives(preset("gpt3"), Layout(1, 8))
     assert first.wire_bytes_per_rank == 2 * 7 * first.bytes_per_rank // 8
+
+
+def test_backward_collectives():
+    """Megatron's backward over tp: TP all-reduces each column-parallel input
+    gradient; SP gathers the upstream gradient and the LayerNorm output and
+    reduce-scatters the input gradient, for the MLP then attention."""
+    from tpfuser.plan import backward_collectives
+    cfg = preset("gpt3")
+    tp = backward_collectives(cfg, Layout(1, 8))
+    assert [(c.kind, c.where) for c in tp] == [("allreduce", "after mlp.c_fc input gradient"),
+                                               ("allreduce", "after attn.c_attn input gradient")]
+    sp = backward_collectives(cfg, Layout(1, 8, sp=True))
+    assert [c.kind for c in sp] == ["allgather", "allgather", "reducescatter"] * 2
+    assert all(c.shape == (1, 2048, 12288) and c.team == 8 for c in tp + sp)
+    assert backward_collectives(preset("nanogpt"), Layout(2, 2))[0].shape == (8, 128, 1600)   # per dp rank

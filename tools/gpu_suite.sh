@@ -3,7 +3,7 @@
 #   source .nvf/setup.sh; bash tools/gpu_suite.sh
 # Writes JSON under $OUT (default ./gpu_out) and prints a short table last.
 # ONLY="tests train" runs those steps, in that order (steps: tests train bench
-# bisect dp tp gpt3 variants). TESTS= and K= narrow the pytest step
+# bisect dp tp tpbwd gpt3 variants). TESTS= and K= narrow the pytest step
 # (e.g. TESTS=tests/test_gpu_backward.py K="not mesh"); BISECT_S bounds the bisection.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
@@ -42,6 +42,15 @@ step_tp() {
   NVFUSER_DUMP=communication $T 120 torchrun --standalone --nproc-per-node 2 tools/two_ranks.py sp > "$OUT/sp_dump.log" 2>&1
   python3 tools/collectives.py "$OUT/sp_dump.log" tiny 1 2 fp32 sp > "$OUT/sp_collectives.json"
   grep -m3 -i "communication" "$OUT/sp_dump.log" | cut -c1-400
+}
+step_tpbwd() {
+  for which in tpbwd spbwd; do
+    echo "== two ranks on one GPU, 1x2 mesh, the backward alone ($which): its first collective"
+    NVFUSER_DUMP=communication $T 150 torchrun --standalone --nproc-per-node 2 tools/two_ranks.py $which > "$OUT/${which}_dump.log" 2>&1
+    grep -E "^rank" "$OUT/${which}_dump.log" | cut -c1-300
+    python3 tools/collectives.py "$OUT/${which}_dump.log" tiny 1 2 bf16 ${which%bwd} bwd > "$OUT/${which}_collectives.json"
+    grep -m2 -i "posting communication" "$OUT/${which}_dump.log" | cut -c1-400
+  done
 }
 step_gpt3() {
   echo "== benchmark: gpt3 forward at 1x1 (fewer samples: ~11 ms a call)"

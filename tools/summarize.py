@@ -39,7 +39,7 @@ for case, digests in by_case.items():
         differ = all(digests[0][k] != digests[1][k] for k in digests[0])
         summary.setdefault("dp_masks_differ_across_ranks", {})[" ".join(map(str, case))] = differ
         rows.append((f"2x1 masks {' '.join(map(str, case))}", "differ across dp ranks" if differ else "SAME on both dp ranks"))
-for which in ("tp", "sp"):
+for which in ("tp", "sp", "tpbwd", "spbwd"):
     path = os.path.join(out, f"{which}_collectives.json")
     if not os.path.exists(path):
         continue

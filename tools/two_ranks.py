@@ -6,8 +6,10 @@
       two ranks on one GPU. Run with NVFUSER_DUMP=communication and parse the
       log with tools/collectives.py.
   sp: the same with sequence parallelism (the first collective: an all-gather).
+  tpbwd, spbwd: the backward fusion alone on a 1x2 mesh (TP, SP), on zero
+      inputs of this rank's shapes, up to its first collective.
 
-Run: torchrun --standalone --nproc-per-node 2 tools/two_ranks.py dp|tp|sp
+Run: torchrun --standalone --nproc-per-node 2 tools/two_ranks.py dp|tp|sp|tpbwd|spbwd [cat|split]
 """
 import json
 import os
@@ -41,6 +43,27 @@ if mode == "dp":
         results.append(r)
     with open(os.path.join(out_dir, f"dp_rank{rank}.json"), "w") as f:
         json.dump(results, f, indent=1)
+elif mode in ("tpbwd", "spbwd"):
+    from tpfuser.plan import local_shape, placements, saved_specs
+    from tpfuser.runtime import ShardedBlock
+    layout = Layout(1, 2, sp=mode == "spbwd")
+    cfg = preset("tiny", dtype="bf16", dropout=0.0)
+    qkv_grad = sys.argv[2] if len(sys.argv) > 2 else "split"
+    block = ShardedBlock(cfg, layout, rank, device=torch.device("cuda", 0), qkv_grad=qkv_grad)
+    from tpfuser.reference import PARAM_NAMES
+    block.load_shards([torch.zeros(block.local_param_shape(n), device="cuda", dtype=cfg.torch_dtype) for n in PARAM_NAMES])
+    kinds = {"block": cfg.torch_dtype, "f32": torch.float32, "u64": torch.uint64}
+    where = placements(layout)
+    saved = [torch.zeros(local_shape(tuple(shape), where[name], layout), device="cuda", dtype=kinds[kind])
+             for name, (shape, kind) in saved_specs(cfg).items()]
+    x = torch.zeros(block.input_shape(), device="cuda", dtype=cfg.torch_dtype)
+    try:
+        block.backward(x, x, saved)
+        print(f"rank {rank}: backward finished (unexpected on one GPU)", flush=True)
+    except Exception as e:
+        lines = [ln for ln in str(e).splitlines() if ln.strip()]
+        said = next((ln for ln in lines if "ASSERT FAILED" in ln or "NCCL" in ln or "Error" in ln), lines[0])
+        print(f"rank {rank}: stopped: {said[:300]}", flush=True)
 elif mode in ("tp", "sp"):
     try:
         check_forward(preset("tiny", dtype="fp32", dropout=0.0), Layout(1, 2, sp=mode == "sp"), rank, "tiny")

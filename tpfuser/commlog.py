@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.plan import collectives
+from tpfuser.plan import backward_collectives, collectives
 
 
 def parse_communication_log(text: str) -> list[dict]:
@@ -25,10 +25,11 @@ def parse_communication_log(text: str) -> list[dict]:
     return posted
 
 
-def compare_first(posted: list[dict], cfg: BlockConfig, layout: Layout) -> dict:
+def compare_first(posted: list[dict], cfg: BlockConfig, layout: Layout, backward: bool = False) -> dict:
     """Does the first posted collective match the plan's first (kind, tp team, produced shape)?
     With two ranks on one GPU, NCCL refuses after the first, so only it can be seen."""
-    plan = [{"kind": c.kind, "axis": c.axis, "shape": list(c.shape)} for c in collectives(cfg, layout)]
+    planned = backward_collectives(cfg, layout) if backward else collectives(cfg, layout)
+    plan = [{"kind": c.kind, "axis": c.axis, "shape": list(c.shape)} for c in planned]
     first = posted[0] if posted else None
     match = bool(first) and first["kind"] == plan[0]["kind"] and first["team"] == list(range(layout.tp)) \
         and first["shapes"].get("output") == plan[0]["shape"]

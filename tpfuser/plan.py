@@ -157,6 +157,28 @@ def collectives(cfg: BlockConfig, layout: Layout) -> list[Collective]:
             Collective("reducescatter", TP, "after mlp.c_proj", (b, s, e), nbytes, tp)]
 
 
+def backward_collectives(cfg: BlockConfig, layout: Layout) -> list[Collective]:
+    """The backward's collectives over tp, in Megatron's order (the MLP's first).
+    Tensor parallel: an all-reduce of the input gradient's partial sums after
+    each column-parallel linear (the row-parallel ones need none). Sequence
+    parallel: an all-gather of the upstream gradient before each row-parallel
+    linear, an all-gather of the LayerNorm output (recomputed on the rank's part
+    of the sequence) for each column-parallel weight gradient, and a
+    reduce-scatter of each column-parallel input gradient. Over dp, every
+    parameter gradient is all-reduced (not listed: per parameter, team dp)."""
+    b, s, e = cfg.batch // layout.dp, cfg.seq, cfg.n_embd
+    nbytes, tp = cfg.torch_dtype.itemsize, layout.tp
+    out = []
+    for row, column in (("mlp.c_proj", "mlp.c_fc"), ("attn.c_proj", "attn.c_attn")):
+        if layout.sp:
+            out += [Collective("allgather", TP, f"before {row} backward", (b, s, e), nbytes, tp),
+                    Collective("allgather", TP, f"before {column} weight gradient", (b, s, e), nbytes, tp),
+                    Collective("reducescatter", TP, f"after {column} input gradient", (b, s, e), nbytes, tp)]
+        else:
+            out.append(Collective("allreduce", TP, f"after {column} input gradient", (b, s, e), nbytes, tp))
+    return out
+
+
 def forward_flops(cfg: BlockConfig, layout: Layout = Layout()) -> dict[str, int]:
     """Matmul FLOPs of the forward per rank (2 per multiply-add). Attention
     counts the causal half of q k^T and probs v, as flash attention computes."""

@@ -7,7 +7,7 @@ import dataclasses
 import math
 
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.plan import collectives, forward_flops, local_shape, placements, saved_bytes_per_rank
+from tpfuser.plan import backward_collectives, collectives, forward_flops, local_shape, placements, saved_bytes_per_rank
 from tpfuser.reference import PARAM_NAMES, param_shapes
 
 
@@ -38,9 +38,9 @@ def plan_report(cfg: BlockConfig, layout: Layout, preset_name: str = "") -> dict
                 "sharding": {str(dim): axis for dim, axis in sorted(placement.items())},
             })
     param_bytes = sum(math.prod(t["local_shape"]) * nbytes for t in tensors if t["kind"] == "param")
-    colls = [{"kind": c.kind, "axis": c.axis, "where": c.where, "shape": list(c.shape),
-              "bytes_per_rank": c.bytes_per_rank, "wire_bytes_per_rank": c.wire_bytes_per_rank}
-             for c in collectives(cfg, layout)]
+    def rows(colls):
+        return [{"kind": c.kind, "axis": c.axis, "where": c.where, "shape": list(c.shape),
+                 "bytes_per_rank": c.bytes_per_rank, "wire_bytes_per_rank": c.wire_bytes_per_rank} for c in colls]
     saved = {"tp": saved_bytes_per_rank(cfg, dataclasses.replace(layout, sp=False))}
     if cfg.seq % layout.tp == 0:
         saved["tp+sp"] = saved_bytes_per_rank(cfg, dataclasses.replace(layout, sp=True))
@@ -48,7 +48,8 @@ def plan_report(cfg: BlockConfig, layout: Layout, preset_name: str = "") -> dict
         "preset": preset_name, "config": {**cfg.__dict__},
         "mesh": {"dp": layout.dp, "tp": layout.tp}, "parallelism": "tp+sp" if layout.sp else "tp",
         "tensors": tensors,
-        "collectives": colls,
+        "collectives": rows(collectives(cfg, layout)),
+        "backward_collectives": rows(backward_collectives(cfg, layout)),
         "collectives_over_dp": 0,
         "flops_per_rank": forward_flops(cfg, layout),
         "param_bytes_per_rank": param_bytes,
@@ -73,12 +74,14 @@ def format_plan(rep: dict) -> str:
     for t in rep["tensors"]:
         shard = ", ".join(f"dim {d} over {a}" for d, a in t["sharding"].items()) or "replicated"
         lines.append(f"{t['name']:<22}{str(tuple(t['global_shape'])):<22}{str(tuple(t['local_shape'])):<22}{shard}")
-    lines += ["", "collectives nvFuser inserts (forward):"]
-    for c in rep["collectives"]:
-        lines.append(f"  {c['kind']} over {c['axis']} {c['where']}: {tuple(c['shape'])}, "
-                     f"{_fmt_bytes(c['bytes_per_rank'])}, {_fmt_bytes(c['wire_bytes_per_rank'])} sent per rank"
-                     + ("  (team of one: no traffic)" if m["tp"] == 1 else ""))
-    lines.append(f"  none over dp")
+    for key, what in (("collectives", "forward"), ("backward_collectives", "backward")):
+        lines += ["", f"collectives nvFuser inserts ({what}):"]
+        for c in rep[key]:
+            lines.append(f"  {c['kind']} over {c['axis']} {c['where']}: {tuple(c['shape'])}, "
+                         f"{_fmt_bytes(c['bytes_per_rank'])}, {_fmt_bytes(c['wire_bytes_per_rank'])} sent per rank"
+                         + ("  (team of one: no traffic)" if m["tp"] == 1 else ""))
+    lines.append("  over dp: none in the forward; in the backward an all-reduce of every parameter gradient"
+                 + ("  (team of one: no traffic)" if m["dp"] == 1 else ""))
     f = rep["flops_per_rank"]
     lines += ["", f"matmul FLOPs per rank: {f['total'] / 1e9:.3g} GFLOP "
               f"({', '.join(f'{k} {v / 1e9:.3g}' for k, v in f.items() if k != 'total')})",
