@@ -39,7 +39,7 @@ def _rank(rank, world, init_file, results):
 @pytest.mark.parametrize("world", [2])
 def test_dtensor_peer_matches_reference_float64(world):
     with tempfile.TemporaryDirectory() as tmp:
-        manager = mp.Manager()
+        manager = mp.get_context("spawn").Manager()
         results = manager.dict()
         mp.spawn(_rank, args=(world, os.path.join(tmp, "init"), results), nprocs=world, join=True)
         results = dict(results)
