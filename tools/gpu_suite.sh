@@ -14,11 +14,11 @@ T=timeout
 
 step_tests() {
   echo "== GPU tests (1x1)"
-  $T 400 python3 -m pytest -q -m gpu $TESTS ${K:+-k "$K"} -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -25
+  $T 400 python3 -m pytest -q -m gpu $TESTS ${K:+-k "$K"} -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/tests.log" | tail -25
 }
 step_train() {
   echo "== benchmark: nanogpt forward+backward (a training step), with peak and saved memory"
-  $T 240 python3 -m tpfuser.bench --preset nanogpt --train --json "$OUT/bench_nanogpt_train.json" --iters 30
+  $T 240 python3 -m tpfuser.bench --preset nanogpt --train --json "$OUT/bench_nanogpt_train.json" --iters 30 2>&1 | tee "$OUT/train.log"
 }
 step_bench() {
   echo "== benchmark: nanogpt forward, nvFuser (1x1 mesh, and no mesh) vs eager vs torch.compile"
