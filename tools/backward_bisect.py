@@ -7,7 +7,9 @@ needs), built, scheduled on the mesh and run on the training forward's saved
 tensors. Parallel compilation is off, so an error is the failing segment's
 own. Writes $OUT/backward_bisect.json; prints a line per case.
 
-    source .nvf/setup.sh; PYTHONPATH=$PWD python3 tools/backward_bisect.py [seconds]
+    source .nvf/setup.sh; PYTHONPATH=$PWD python3 tools/backward_bisect.py [seconds] [bf16:cat,...]
+
+Naming forms (dtype:qkv_grad) skips the whole-backward runs and bisects those forms' outputs.
 """
 import json
 import os
@@ -40,7 +42,7 @@ def saved_inputs(cfg, layout):
     return block.backward_inputs(g, x, saved, 1, 5)
 
 
-def main(budget_s: float) -> None:
+def main(budget_s: float, forms: str = "") -> None:
     deadline = time.time() + budget_s
     rows, path = [], os.path.join(os.environ.get("OUT", "."), "backward_bisect.json")
     layout, inputs = Layout(1, 1), {}
@@ -66,7 +68,10 @@ def main(budget_s: float) -> None:
         return row["ok"]
 
     # The whole backward in each form first, then each output alone of the forms that failed.
-    failed = [(dtype, qkv) for dtype in ("bf16", "fp32") for qkv in ("split", "cat") if not run(dtype, qkv, None)]
+    if forms:
+        failed = [tuple(f.split(":")) for f in forms.split(",")]
+    else:
+        failed = [(dtype, qkv) for dtype in ("bf16", "fp32") for qkv in ("split", "cat") if not run(dtype, qkv, None)]
     for dtype, qkv in failed:
         for name in backward_output_names(qkv):
             if time.time() > deadline:
@@ -76,6 +81,6 @@ def main(budget_s: float) -> None:
 
 
 if __name__ == "__main__":
-    main(float(sys.argv[1]) if len(sys.argv) > 1 else 150)
+    main(float(sys.argv[1]) if len(sys.argv) > 1 else 150, sys.argv[2] if len(sys.argv) > 2 else "")
     sys.stdout.flush()
     os._exit(0)   # nvFuser's multi-device objects can crash at interpreter exit (../shared/device/README.md)

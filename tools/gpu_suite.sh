@@ -2,9 +2,10 @@
 # Every GPU check and the benchmarks, in one device call:
 #   source .nvf/setup.sh; bash tools/gpu_suite.sh
 # Writes JSON under $OUT (default ./gpu_out) and prints a short table last.
-# ONLY="tests train" runs those steps, in that order (steps: tests train bench
-# bisect dp tp tpbwd gpt3 variants). TESTS= and K= narrow the pytest step
-# (e.g. TESTS=tests/test_gpu_backward.py K="not mesh"); BISECT_S bounds the bisection.
+# ONLY="tests train" runs those steps, in that order (steps: tests fwd bwd train
+# bench bisect dp tp tpbwd gpt3 variants; fwd and bwd are the tests step split in two). TESTS= and K= narrow the pytest step
+# (e.g. TESTS=tests/test_gpu_backward.py K="not mesh"), TESTS_S bounds it (s);
+# BISECT_S bounds the bisection, BISECT_FORMS (e.g. bf16:cat) skips to its per-output part.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 ONLY=${ONLY:-tests train bench bisect dp tp gpt3}
@@ -12,10 +13,14 @@ TESTS=${TESTS:-tests} K=${K:-}
 export PYTHONPATH=$PWD:${PYTHONPATH:-} NVIDIA_TF32_OVERRIDE=0 PYTHONUNBUFFERED=1
 T=timeout
 
-step_tests() {
-  echo "== GPU tests (1x1)"
-  $T 400 python3 -m pytest -q -m gpu $TESTS ${K:+-k "$K"} -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/tests.log" | tail -25
+pytest_gpu() {  # name, files, -k expression
+  # SIGINT, not SIGTERM, at the bound: pytest then still writes its report and summary.
+  $T -s INT ${TESTS_S:-400} python3 -m pytest -v -m gpu $2 ${3:+-k "$3"} -p no:cacheprovider --junitxml="$OUT/gpu_$1.xml" 2>&1 \
+    | tee "$OUT/$1.log" | grep -E "PASSED|FAILED|XFAIL|XPASS|ERROR|SKIPPED|passed|failed" | cut -c1-200 | tail -40
 }
+step_tests() { echo "== GPU tests (1x1): $TESTS ${K:+-k $K}"; pytest_gpu tests "$TESTS" "$K"; }
+step_fwd() { echo "== GPU tests (1x1): the forward"; pytest_gpu tests_fwd tests/test_gpu.py ""; }
+step_bwd() { echo "== GPU tests (1x1): the backward without a mesh"; pytest_gpu tests_bwd tests/test_gpu_backward.py "not mesh"; }
 step_train() {
   echo "== benchmark: nanogpt forward+backward (a training step), with peak and saved memory"
   $T 240 python3 -m tpfuser.bench --preset nanogpt --train --json "$OUT/bench_nanogpt_train.json" --iters 30 2>&1 | tee "$OUT/train.log"
@@ -26,7 +31,7 @@ step_bench() {
 }
 step_bisect() {
   echo "== which outputs of the meshed backward nvFuser fails to compile, and the error"
-  $T $((${BISECT_S:-120} + 60)) python3 tools/backward_bisect.py ${BISECT_S:-120} 2>&1 | grep -E "^(bisect|stopped)" | cut -c1-400
+  $T $((${BISECT_S:-120} + 60)) python3 tools/backward_bisect.py ${BISECT_S:-120} ${BISECT_FORMS:-} 2>&1 | grep -E "^(bisect|stopped)" | cut -c1-400
 }
 step_dp() {
   echo "== two ranks on one GPU, 2x1 mesh (data parallel, runs to the end)"
@@ -62,6 +67,17 @@ step_variants() {
   grep -E "^(tiny|nanogpt)" "$OUT/variants.log" || tail -20 "$OUT/variants.log"
 }
 
-for step in $ONLY; do "step_$step"; done
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("localhost", 0)); print(s.getsockname()[1])'; }
+torchrun() { NVFUSER_MASTER_PORT=$(free_port) command torchrun "$@"; }
+unset NVFUSER_MASTER_PORT   # single-process runs pick a free port (tpfuser/fusion.py): concurrent steps do not collide
+
+# Steps joined by + run at the same time (e.g. ONLY="fwd+bwd+dp train"); their output is
+# printed when the group ends. Only put correctness steps together: timings need the GPU alone.
+for group in $ONLY; do
+  if [[ $group != *+* ]]; then "step_$group"; continue; fi
+  for step in ${group//+/ }; do "step_$step" > "$OUT/step_$step.txt" 2>&1 & done
+  wait
+  for step in ${group//+/ }; do cat "$OUT/step_$step.txt"; rm "$OUT/step_$step.txt"; done
+done
 echo "== summary"
 python3 tools/summarize.py "$OUT"

@@ -15,13 +15,16 @@ try:
 except Exception:
     pass
 rows = []
-junit = os.path.join(out, "gpu_tests.xml")
-if os.path.exists(junit):
+for junit in sorted(glob.glob(os.path.join(out, "gpu_tests*.xml"))):
+    name = os.path.basename(junit)[len("gpu_"):-len(".xml")]
     root = ET.parse(junit).getroot()
     suite = root.find("testsuite") if root.find("testsuite") is not None else root
     t, f, e, s = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
-    summary["gpu_tests"] = {"tests": t, "passed": t - f - e - s, "failed": f + e, "skipped": s}
-    rows.append(("gpu tests (1x1)", f"{t - f - e - s} passed, {f + e} failed, {s} skipped"))
+    failed = [c.get("name") for c in suite.iter("testcase") if c.find("failure") is not None or c.find("error") is not None]
+    summary[f"gpu_{name}"] = {"tests": t, "passed": t - f - e - s, "failed": f + e, "skipped_or_xfail": s,
+                              "failed_tests": failed}
+    rows.append((f"gpu {name} (1x1)", f"{t - f - e - s} passed, {f + e} failed, {s} skipped/xfail"))
+    rows += [("  failed", n) for n in failed]
 dp = []
 for path in sorted(glob.glob(os.path.join(out, "dp_rank*.json"))):
     dp += json.load(open(path))
