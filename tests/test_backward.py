@@ -5,7 +5,7 @@ import torch
 
 from tpfuser.config import Layout, preset
 from tpfuser.dropout import keep_threshold
-from tpfuser.plan import PARAM_PLACEMENTS, placements
+from tpfuser.plan import DP, PARAM_PLACEMENTS, placements
 from tpfuser.reference import PARAM_NAMES, make_block, make_input
 from tpfuser.shard import fusion_params, local_slice, simulate_tp_backward
 
@@ -81,25 +81,35 @@ def test_backward_builds_and_is_sharded_as_planned(layout, dtype, qkv_grad):
     shapes = {**param_shapes(cfg), **saved_shapes(cfg), **{f"grad.{n}": v for n, v in param_shapes(cfg).items()},
               "x": (4, 16, 64), "grad_out": (4, 16, 64), "grad_x": (4, 16, 64)}
     shapes |= {f"grad.attn.c_attn.weight.{p}": (64, 64) for p in "qkv"} | {f"grad.attn.c_attn.bias.{p}": (64,) for p in "qkv"}
-    for name, tv in {**bf.inputs, **bf.outputs, **ff.outputs}.items():
-        if name == "out":
-            continue
-        mesh, axes = loop_sharding(tv)
-        assert mesh == mesh_text(layout), name
-        assert axes == expected_loop(shapes[name], placements(layout)[name], layout), name
+    shapes |= {name: (4, 16, 64) for name in ("g.mlp.c_proj.out", "g.attn.c_proj.out", "g.ln_2.out", "g.ln_1.out")}
+    assert sorted(bf.intermediates) == sorted(n for n in shapes if n.startswith("g."))
+    for name, tv in ff.outputs.items():
+        if name != "out":
+            assert loop_sharding(tv) == (mesh_text(layout), expected_loop(shapes[name], placements(layout)[name], layout)), name
+    # The backward runs on dp rank 0's tp row (a 1-D mesh) on its b/dp rows: no dp split.
+    row_mesh = "DeviceMesh{" + " ".join(str(i) for i in range(layout.tp)) + "}"
+    for name, tv in {**bf.inputs, **bf.outputs, **bf.intermediates}.items():
+        placement = placements(layout)[name]
+        shape = list(shapes[name])
+        if placement.get(0) == DP:
+            shape[0] //= layout.dp
+        expected = expected_loop(shape, {d: a for d, a in placement.items() if a != DP}, layout)
+        assert loop_sharding(tv) == (row_mesh, expected), name
 
 
-def test_schedule_options():
+def test_backward_runs_on_the_ranks_tp_row():
+    """The backward of dp rank r: a 1-D mesh of that row's tp devices, b/dp rows, no dp split."""
     from tpfuser.fusion import ScheduleOptions, build_backward, loop_sharding
     cfg = preset("tiny")
-    flat = build_backward(cfg, Layout(1, 2), ScheduleOptions(flat_dp1=True))
-    mesh, axes = loop_sharding(flat.inputs["qkv"])
-    assert mesh == "DeviceMesh{0 1}" and [k for k, _ in axes] == ["", "", "mesh_x", ""]
+    row1 = build_backward(cfg, Layout(2, 2), dp_rank=1)
+    mesh, axes = loop_sharding(row1.inputs["qkv"])
+    assert mesh == "DeviceMesh{2 3}" and axes == [("", 2), ("", 16), ("mesh_x", 2), ("", 96)]
+    assert loop_sharding(row1.outputs["grad.mlp.c_fc.weight"]) == ("DeviceMesh{2 3}", [("mesh_x", 2), ("", 128), ("", 64)])
+    row0 = build_backward(cfg, Layout(2, 2), dp_rank=0)   # kept: its TensorViews die with it
+    assert loop_sharding(row0.inputs["x"])[0] == "DeviceMesh{0 1}"
     inputs_only = build_backward(cfg, Layout(2, 2), ScheduleOptions(outputs=False))
     assert loop_sharding(inputs_only.outputs["grad_x"])[0] == ""          # left to nvFuser's propagation
-    assert loop_sharding(inputs_only.inputs["x"])[1][0] == ("mesh_y", 2)
-    still_2d = build_backward(cfg, Layout(2, 2), ScheduleOptions(flat_dp1=True))   # dp > 1: the option does nothing
-    assert loop_sharding(still_2d.inputs["x"])[0] == "DeviceMesh{{0 1}{2 3}}"
+    assert loop_sharding(inputs_only.inputs["x"])[1][0] == ("", 2)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
@@ -128,24 +138,31 @@ def test_sp_simulation_needs_the_tp_all_reduce_of_partial_grads():
     assert rel(rank_grads[0]["ln_1.weight"], gp_ref["ln_1.weight"]) > 1e-3
 
 
-def test_fp32_backward_recomputes_attention_once():
-    """Each mask drawn once (two residual, one attention) and the probabilities
+def test_fp32_backward_takes_the_masks_and_recomputes_attention_once():
+    """The forward draws each mask once (two residual, one attention) and saves it;
+    the backward takes them as bool inputs and draws none. The probabilities are
     computed once: 8 matmuls of linear gradients, q k^T, probs v, and 4 of the attention backward."""
-    from tpfuser.fusion import build_backward, fusion_text
-    text = fusion_text(build_backward(preset("tiny", dtype="fp32"), Layout(1, 1)))
-    assert text.count(f"< {keep_threshold(0.1)}") == 3
+    from tpfuser.fusion import build_backward, build_forward, fusion_text
+    cfg = preset("tiny", dtype="fp32")
+    bf = build_backward(cfg, Layout(1, 1))
+    assert fusion_text(build_forward(cfg, Layout(1, 1), train=True)).count(f"< {keep_threshold(0.1)}") == 3
+    text = fusion_text(bf)
+    assert f"< {keep_threshold(0.1)}" not in text
+    for name in ("resid_attn_keep", "resid_mlp_keep", "attn_keep"):
+        assert "_g_bool[" in str(bf.inputs[name]), name
     assert text.count("= matmul(") == 14
 
 
 def test_backward_subset_keeps_only_what_its_outputs_need():
     """define_backward(outputs=...) for bisecting: the MLP's c_proj bias gradient
-    needs one residual mask and no matmul; unknown names are refused."""
+    needs no matmul (c_fc's bias does); unknown names are refused."""
     from tpfuser.fusion import backward_output_names, build_backward, fusion_text
     cfg = preset("tiny", dtype="fp32")
     bias = build_backward(cfg, Layout(1, 1), outputs=["grad.mlp.c_proj.bias"])
     assert list(bias.outputs) == ["grad.mlp.c_proj.bias"]
     text = fusion_text(bias)
-    assert text.count(f"< {keep_threshold(0.1)}") == 1 and "matmul(" not in text
+    assert "matmul(" not in text
+    assert "matmul(" in fusion_text(build_backward(cfg, Layout(1, 1), outputs=["grad.mlp.c_fc.bias"]))   # through c_proj
     assert list(build_backward(cfg).outputs) == backward_output_names()
     with pytest.raises(ValueError, match="grad.nope"):
         build_backward(cfg, outputs=["grad.nope"])

@@ -55,11 +55,17 @@ def test_saved_for_backward_bytes_by_hand():
     cfg = preset("tiny", dtype="fp32")   # rows b*s = 64, e = 64, fp32: no flash-attention state
     stats, x, x1 = 4 * 64 * 4, 64 * 64 * 4, 64 * 64 * 4
     qkv, mlp_h = 64 * 192 * 4, 64 * 256 * 4
-    assert saved_bytes_per_rank(cfg, Layout(1, 1)) == stats + x + x1 + qkv + mlp_h
-    assert saved_bytes_per_rank(cfg, Layout(1, 2)) == stats + x + x1 + qkv // 2 + mlp_h // 2
-    assert saved_bytes_per_rank(cfg, Layout(2, 1)) == (stats + x + x1 + qkv + mlp_h) // 2
-    # Sequence parallel: the replicated region's tensors (stats, x, x1) split over tp too.
-    assert saved_bytes_per_rank(cfg, Layout(1, 2, sp=True)) == (stats + x + x1) // 2 + qkv // 2 + mlp_h // 2
+    masks, attn_mask = 2 * 64 * 64, 4 * 8 * 16 * 16   # bool: the two residual dropouts, the attention's [b, h, s, s]
+    assert saved_bytes_per_rank(cfg, Layout(1, 1)) == stats + x + x1 + qkv + mlp_h + masks + attn_mask
+    assert saved_bytes_per_rank(cfg, Layout(1, 2)) == stats + x + x1 + qkv // 2 + mlp_h // 2 + masks + attn_mask // 2
+    assert saved_bytes_per_rank(cfg, Layout(2, 1)) == (stats + x + x1 + qkv + mlp_h + masks + attn_mask) // 2
+    # Sequence parallel: the replicated region's tensors (stats, x, x1, residual masks) split over tp too.
+    assert saved_bytes_per_rank(cfg, Layout(1, 2, sp=True)) == (stats + x + x1 + masks + qkv + mlp_h + attn_mask) // 2
+    # Without dropout nothing is saved for it; bf16 keeps no attention mask (flash attention replays its own).
+    assert saved_bytes_per_rank(cfg.replace(dropout=0.0), Layout(1, 1)) == stats + x + x1 + qkv + mlp_h
+    bf16 = saved_bytes_per_rank(preset("tiny", dtype="bf16"), Layout(1, 1))
+    flash = 4 * 8 * 16 * 8 * 2 + 4 * 8 * 16 * 4 + 2 * 8 + 8   # sdpa_out, its logsumexp, philox seed and offset
+    assert bf16 == stats + (x + qkv + mlp_h) // 2 + x1 + masks + flash
 
 
 def test_gpt3_tp8_sequence_parallel_plan(tmp_path):

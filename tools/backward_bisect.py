@@ -5,11 +5,11 @@ gradients concatenated (qkv_grad="cat") and in parts ("split"), then each output
 (define_backward(outputs=[name]): nvFuser compiles only what that output
 needs), built, scheduled on the mesh and run on the training forward's saved
 tensors. Parallel compilation is off, so an error is the failing segment's
-own. Writes $OUT/backward_bisect.json; prints a line per case.
+own. Prints a line per case.
 
-    source .nvf/setup.sh; PYTHONPATH=$PWD python3 tools/backward_bisect.py [seconds] [bf16:cat,...]
+    source .nvf/setup.sh; PYTHONPATH=$PWD python3 tools/backward_bisect.py [seconds] [bf16:cat:3d,...] [--each]
 
-Naming forms (dtype:qkv_grad) skips the whole-backward runs and bisects those forms' outputs.
+Writes $OUT/bisect_<forms>.json; several can run at once (gpu_suite's bisect step does).
 """
 import json
 import os
@@ -21,7 +21,7 @@ os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
 import torch  # noqa: E402
 
 from tpfuser.config import Layout, preset  # noqa: E402
-from tpfuser.fusion import backward_output_names, build_backward  # noqa: E402
+from tpfuser.fusion import BackwardForm, backward_output_names, build_backward  # noqa: E402
 from tpfuser.reference import make_block, make_input  # noqa: E402
 from tpfuser.runtime import ShardedBlock  # noqa: E402
 
@@ -39,48 +39,52 @@ def saved_inputs(cfg, layout):
     block = ShardedBlock(cfg, layout, device=torch.device("cuda")).load(make_block(cfg).state_dict())
     x, g = block.shard_input(make_input(cfg)), block.shard_input(make_input(cfg, seed=2))
     _, saved = block.forward_train(x, 1, 5)
-    return block.backward_inputs(g, x, saved, 1, 5)
+    return block.backward_inputs(g, x, saved)
 
 
-def main(budget_s: float, forms: str = "") -> None:
+def main(budget_s: float, forms: str, each: bool) -> None:
+    """forms: comma-separated dtype:qkv_grad[:rows], rows "merge" (the default
+    BackwardForm) or "3d" (merge_rows=False). Each form's whole backward is run;
+    with each=True, each output alone of the forms that fail."""
     deadline = time.time() + budget_s
-    rows, path = [], os.path.join(os.environ.get("OUT", "."), "backward_bisect.json")
+    tag = forms.replace(":", "-").replace(",", "_")
+    rows, path = [], os.path.join(os.environ.get("OUT", "."), f"bisect_{tag}.json")
     layout, inputs = Layout(1, 1), {}
 
-    def run(dtype, qkv_grad, outputs):
+    def run(dtype, qkv_grad, rows_form, outputs):
         cfg = preset("tiny", dtype=dtype)
         if dtype not in inputs:
             inputs[dtype] = saved_inputs(cfg, layout)
-        row = {"dtype": dtype, "dropout": cfg.dropout, "qkv_grad": qkv_grad, "outputs": outputs or "all"}
+        form = BackwardForm(merge_rows=rows_form == "merge")
+        row = {"dtype": dtype, "dropout": cfg.dropout, "qkv_grad": qkv_grad, "rows": rows_form, "outputs": outputs or "all"}
         start = time.perf_counter()
         try:
-            build_backward(cfg, layout, outputs=outputs, qkv_grad=qkv_grad).fd.execute(inputs[dtype])
+            build_backward(cfg, layout, outputs=outputs, qkv_grad=qkv_grad, form=form).execute(inputs[dtype])
             row["ok"] = True
         except Exception as e:  # nvFuser's compile asserts
             row["ok"], row["error"] = False, where_it_failed(e)
         row["seconds"] = round(time.perf_counter() - start, 1)
         rows.append(row)
         what = ",".join(outputs) if outputs else "all outputs"
-        print(f"bisect {dtype} qkv_grad={qkv_grad} {what:<28} {row['seconds']:>5}s  "
+        print(f"bisect {dtype} qkv_grad={qkv_grad} rows={rows_form} {what:<28} {row['seconds']:>5}s  "
               f"{'ok' if row['ok'] else 'FAIL ' + row['error'][:300]}", flush=True)
         with open(path, "w") as f:
             json.dump(rows, f, indent=1)
         return row["ok"]
 
-    # The whole backward in each form first, then each output alone of the forms that failed.
-    if forms:
-        failed = [tuple(f.split(":")) for f in forms.split(",")]
-    else:
-        failed = [(dtype, qkv) for dtype in ("bf16", "fp32") for qkv in ("split", "cat") if not run(dtype, qkv, None)]
-    for dtype, qkv in failed:
+    cases = [(f.split(":") + ["merge"])[:3] for f in forms.split(",")]
+    failed = [case for case in cases if not run(*case, None)]
+    for dtype, qkv, rows_form in failed if each else []:
         for name in backward_output_names(qkv):
             if time.time() > deadline:
                 print("stopped: time budget spent", flush=True)
                 return
-            run(dtype, qkv, [name])
+            run(dtype, qkv, rows_form, [name])
 
 
 if __name__ == "__main__":
-    main(float(sys.argv[1]) if len(sys.argv) > 1 else 150, sys.argv[2] if len(sys.argv) > 2 else "")
+    args = [a for a in sys.argv[1:] if a != "--each"]
+    main(float(args[0]) if args else 150, args[1] if len(args) > 1 else "bf16:cat,fp32:cat,bf16:split,fp32:split",
+         "--each" in sys.argv)
     sys.stdout.flush()
     os._exit(0)   # nvFuser's multi-device objects can crash at interpreter exit (../shared/device/README.md)

@@ -3,9 +3,10 @@
 #   source .nvf/setup.sh; bash tools/gpu_suite.sh
 # Writes JSON under $OUT (default ./gpu_out) and prints a short table last.
 # ONLY="tests train" runs those steps, in that order (steps: tests fwd bwd train
-# bench bisect dp tp tpbwd gpt3 variants; fwd and bwd are the tests step split in two). TESTS= and K= narrow the pytest step
+# bench bisect dp dpbwd tp tpbwd gpt3; fwd and bwd are the tests step split in two). TESTS= and K= narrow the pytest step
 # (e.g. TESTS=tests/test_gpu_backward.py K="not mesh"), TESTS_S bounds it (s);
-# BISECT_S bounds the bisection, BISECT_FORMS (e.g. bf16:cat) skips to its per-output part.
+# BISECT_FORMS (e.g. "bf16:cat bf16:cat:3d") the backward forms tried at once, BISECT_S
+# their time bound, BISECT_EACH=1 then bisects each output of a failing form.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 ONLY=${ONLY:-tests train bench bisect dp tp gpt3}
@@ -20,7 +21,8 @@ pytest_gpu() {  # name, files, -k expression
 }
 step_tests() { echo "== GPU tests (1x1): $TESTS ${K:+-k $K}"; pytest_gpu tests "$TESTS" "$K"; }
 step_fwd() { echo "== GPU tests (1x1): the forward"; pytest_gpu tests_fwd tests/test_gpu.py ""; }
-step_bwd() { echo "== GPU tests (1x1): the backward without a mesh"; pytest_gpu tests_bwd tests/test_gpu_backward.py "not mesh"; }
+step_bwd() { echo "== GPU tests (1x1): the backward without a mesh"; pytest_gpu tests_bwd tests/test_gpu_backward.py "${BWD_K:-not mesh}"; }
+step_bwdmesh() { echo "== GPU tests (1x1): the backward on a mesh"; pytest_gpu tests_bwdmesh tests/test_gpu_backward.py "mesh"; }
 step_train() {
   echo "== benchmark: nanogpt forward+backward (a training step), with peak and saved memory"
   $T 240 python3 -m tpfuser.bench --preset nanogpt --train --json "$OUT/bench_nanogpt_train.json" --iters 30 2>&1 | tee "$OUT/train.log"
@@ -30,8 +32,17 @@ step_bench() {
   $T 300 python3 -m tpfuser.bench --preset nanogpt --json "$OUT/bench_nanogpt.json" --iters 100
 }
 step_bisect() {
-  echo "== which outputs of the meshed backward nvFuser fails to compile, and the error"
-  $T $((${BISECT_S:-120} + 60)) python3 tools/backward_bisect.py ${BISECT_S:-120} ${BISECT_FORMS:-} 2>&1 | grep -E "^(bisect|stopped)" | cut -c1-400
+  echo "== the meshed backward (1x1) in each form at once; then each output alone of the failing ones"
+  for form in ${BISECT_FORMS:-bf16:cat fp32:cat bf16:split bf16:cat:3d}; do
+    $T $((${BISECT_S:-120} + 60)) python3 tools/backward_bisect.py ${BISECT_S:-120} $form ${BISECT_EACH:+--each} \
+      > "$OUT/bisect_$form.log" 2>&1 &
+  done
+  wait
+  cat "$OUT"/bisect_*.log | grep -E "^(bisect|stopped)" | cut -c1-400
+}
+step_dpbwd() {
+  echo "== two ranks on one GPU, 2x1 mesh: training forward and backward, gradients against the whole batch's"
+  $T 240 torchrun --standalone --nproc-per-node 2 tools/two_ranks.py dpbwd 2>&1 | grep -E "^rank|Error" | cut -c1-600
 }
 step_dp() {
   echo "== two ranks on one GPU, 2x1 mesh (data parallel, runs to the end)"
@@ -61,11 +72,6 @@ step_gpt3() {
   echo "== benchmark: gpt3 forward at 1x1 (fewer samples: ~11 ms a call)"
   $T 300 python3 -m tpfuser.bench --preset gpt3 --impl nvfuser,eager,compile --json "$OUT/bench_gpt3.json" --iters 15
 }
-step_variants() {
-  echo "== which schedule of the training fusions nvFuser compiles (NOTES.md, run 4)"
-  $T 420 python3 tools/backward_variants.py > "$OUT/variants.log" 2>&1
-  grep -E "^(tiny|nanogpt)" "$OUT/variants.log" || tail -20 "$OUT/variants.log"
-}
 
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("localhost", 0)); print(s.getsockname()[1])'; }
 torchrun() { NVFUSER_MASTER_PORT=$(free_port) command torchrun "$@"; }
@@ -81,3 +87,5 @@ for group in $ONLY; do
 done
 echo "== summary"
 python3 tools/summarize.py "$OUT"
+# At most 8 files come back from the device: everything but the summary in one archive.
+(cd "$OUT" && ls | grep -v -e '^summary.json$' -e '^run.tar.gz$' | tar czf run.tar.gz -T - --remove-files)

@@ -25,6 +25,12 @@ for junit in sorted(glob.glob(os.path.join(out, "gpu_tests*.xml"))):
                               "failed_tests": failed}
     rows.append((f"gpu {name} (1x1)", f"{t - f - e - s} passed, {f + e} failed, {s} skipped/xfail"))
     rows += [("  failed", n) for n in failed]
+for path in sorted(glob.glob(os.path.join(out, "dpbwd_rank*.json"))):
+    r = json.load(open(path))
+    summary.setdefault("dp_2x1_backward", []).append(r)
+    rows.append((f"2x1 backward rank {r['rank']} {r['preset']} {r['dtype']} p={r['dropout']}",
+                 (f"worst rel err {r['worst']:.2e} ({r['worst_tensor']}) <= {r['tolerance']:.0e}: {'ok' if r['ok'] else 'FAIL'}"
+                  if "worst" in r else f"FAIL {r.get('error', '')[:200]}")))
 dp = []
 for path in sorted(glob.glob(os.path.join(out, "dp_rank*.json"))):
     dp += json.load(open(path))
@@ -66,13 +72,12 @@ for which in ("nanogpt", "gpt3", "nanogpt_train"):
                      f"{r['fraction_of_matmul_rate']:.2f} of floor ({b['compute_floor_ms']:.3f} ms){mem}"))
     for name, why in b.get("failed", {}).items():
         rows.append((f"bench {which} {name}", f"FAILED: {why[:150]}"))
-bisect = os.path.join(out, "backward_bisect.json")
-if os.path.exists(bisect):
-    cases = json.load(open(bisect))
+cases = [r for path in sorted(glob.glob(os.path.join(out, "bisect_*.json"))) for r in json.load(open(path))]
+if cases:
     summary["backward_bisect"] = cases
     for r in cases:
         if r["outputs"] == "all":
-            rows.append((f"meshed backward tiny {r['dtype']} qkv_grad={r.get('qkv_grad', 'cat')}",
+            rows.append((f"meshed backward tiny {r['dtype']} qkv_grad={r.get('qkv_grad', 'cat')} rows={r.get('rows')}",
                          "compiles and runs" if r["ok"] else f"FAILS: {r['error'][:150]}"))
     singles = [r for r in cases if r["outputs"] != "all"]
     if singles:

@@ -6,10 +6,12 @@
       two ranks on one GPU. Run with NVFUSER_DUMP=communication and parse the
       log with tools/collectives.py.
   sp: the same with sequence parallelism (the first collective: an all-gather).
+  dpbwd: a 2x1 mesh, training forward and backward; each rank's gradients
+      against the whole batch's reference autograd.         -> $OUT/dpbwd_rank{r}.json
   tpbwd, spbwd: the backward fusion alone on a 1x2 mesh (TP, SP), on zero
       inputs of this rank's shapes, up to its first collective.
 
-Run: torchrun --standalone --nproc-per-node 2 tools/two_ranks.py dp|tp|sp|tpbwd|spbwd [cat|split]
+Run: torchrun --standalone --nproc-per-node 2 tools/two_ranks.py dp|dpbwd|tp|sp|tpbwd|spbwd [cat|split]
 """
 import json
 import os
@@ -43,16 +45,38 @@ if mode == "dp":
         results.append(r)
     with open(os.path.join(out_dir, f"dp_rank{rank}.json"), "w") as f:
         json.dump(results, f, indent=1)
+elif mode == "dpbwd":
+    # 2x1: each rank's gradients against the whole batch's reference. Each
+    # rank's backward runs on its own tp row; the parameter gradients are
+    # summed over dp after it, here through gloo (NCCL refuses two ranks on one GPU).
+    import torch.distributed as dist
+    from tpfuser.check import GRAD_TOLERANCES, check_backward
+    from tpfuser.launch import dp_group
+    dist.init_process_group("gloo")
+    cfg = preset("tiny", dtype="fp32")
+    r = {"preset": "tiny", "dtype": "fp32", "dropout": cfg.dropout, "mesh": "2x1", "rank": rank,
+         "tolerance": GRAD_TOLERANCES["fp32"], "ok": False}
+    try:
+        r["errors"] = check_backward(cfg, Layout(2, 1), rank, dp_group=dp_group(Layout(2, 1), rank))
+        r["worst_tensor"], r["worst"] = max(r["errors"].items(), key=lambda kv: kv[1])
+        r["ok"] = r["worst"] <= r["tolerance"]
+    except Exception as e:
+        lines = [ln for ln in str(e).splitlines() if ln.strip()]
+        r["error"] = next((ln for ln in lines if "ASSERT FAILED" in ln or "NCCL" in ln), lines[0] if lines else repr(e))[:400]
+    print(f"rank {rank}: {r}", flush=True)
+    with open(os.path.join(out_dir, f"dpbwd_rank{rank}.json"), "w") as f:
+        json.dump(r, f, indent=1)
 elif mode in ("tpbwd", "spbwd"):
     from tpfuser.plan import local_shape, placements, saved_specs
     from tpfuser.runtime import ShardedBlock
     layout = Layout(1, 2, sp=mode == "spbwd")
     cfg = preset("tiny", dtype="bf16", dropout=0.0)
-    qkv_grad = sys.argv[2] if len(sys.argv) > 2 else "split"
+    from tpfuser.fusion import QKV_GRAD
+    qkv_grad = sys.argv[2] if len(sys.argv) > 2 else QKV_GRAD
     block = ShardedBlock(cfg, layout, rank, device=torch.device("cuda", 0), qkv_grad=qkv_grad)
     from tpfuser.reference import PARAM_NAMES
     block.load_shards([torch.zeros(block.local_param_shape(n), device="cuda", dtype=cfg.torch_dtype) for n in PARAM_NAMES])
-    kinds = {"block": cfg.torch_dtype, "f32": torch.float32, "u64": torch.uint64}
+    kinds = {"block": cfg.torch_dtype, "f32": torch.float32, "u64": torch.uint64, "bool": torch.bool}
     where = placements(layout)
     saved = [torch.zeros(local_shape(tuple(shape), where[name], layout), device="cuda", dtype=kinds[kind])
              for name, (shape, kind) in saved_specs(cfg).items()]

@@ -146,14 +146,15 @@ GRAD_TOLERANCES = {"bf16": 2e-2, "fp32": 1e-5}
 
 
 def check_backward(cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, mesh: bool = True,
-                   train_options=None, rng_seed: int = 1234, rng_offset: int = 5, qkv_grad: str = QKV_GRAD) -> dict:
-    """This rank's gradients (input and every parameter) against reference
-    autograd with the fusion's dropout masks. Returns {tensor: rel L2 error}."""
-    from tpfuser.fusion import ScheduleOptions
+                   train_options=None, rng_seed: int = 1234, rng_offset: int = 5, qkv_grad: str = QKV_GRAD,
+                   backward_form=None, dp_group=None) -> dict:
+    """This rank's gradients (input and every parameter shard) against the
+    matching slices of reference autograd's, with the fusion's dropout masks.
+    Returns {tensor: rel L2 error}. Parameter gradients are summed over dp by
+    the plan, so on a dp x 1 mesh each rank's must equal the whole batch's."""
+    from tpfuser.fusion import BackwardForm, ScheduleOptions, saved_names
     from tpfuser.reference import PARAM_NAMES
-    from tpfuser.shard import qkv_blocked
-    if layout.world_size != 1:
-        raise NotImplementedError("check_backward compares a 1x1 run (gradient shards of tp > 1: see the multi-GPU issue)")
+    from tpfuser.shard import qkv_heads_interleaved
     device = torch.device("cuda", torch.cuda.current_device())
     ref = make_block(cfg)
     x, grad_out = make_input(cfg), make_input(cfg, seed=2)
@@ -163,22 +164,31 @@ def check_backward(cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, m
                 p.copy_(p.bfloat16().float())
         x, grad_out = x.bfloat16().float(), grad_out.bfloat16().float()
     block = ShardedBlock(cfg, layout, rank, check=True, device=device, mesh=mesh,
-                         train_options=train_options or ScheduleOptions(), qkv_grad=qkv_grad).load(ref.state_dict())
+                         train_options=train_options or ScheduleOptions(), qkv_grad=qkv_grad,
+                         backward_form=backward_form or BackwardForm(), dp_group=dp_group).load(ref.state_dict())
     xl, gl = block.shard_input(x), block.shard_input(grad_out)
     rng_state = torch.cuda.get_rng_state()
     named, saved = block.forward_train(xl, rng_seed, rng_offset)
-    grad_x, grads = block.backward(gl, xl, saved, rng_seed, rng_offset)
+    grad_x, grads = block.backward(gl, xl, saved)
 
     ref = ref.to(device)
     masks = oracle_masks(cfg, rng_seed, rng_offset, device) if cfg.dropout > 0 else None
+    where = placements(layout)
+    for name, t in zip(saved_names(cfg), saved):   # the masks the backward took are the oracle's, bit for bit
+        if name.endswith("_keep"):
+            wrong = int((t != local_slice(getattr(masks, name.removesuffix("_keep")), where[name], layout, rank)).sum())
+            if wrong:
+                raise AssertionError(f"saved dropout mask {name}: {wrong} elements differ from the oracle's")
     attention = flash_replay(cfg.dropout, rng_state) if cfg.dtype == "bf16" else None
     xr = x.to(device).requires_grad_(True)
     out = ref(xr, masks, attention)
     out.backward(grad_out.to(device))
-    errors = {"out": rel_l2(named["out"], out.detach()), "x": rel_l2(grad_x, xr.grad)}
+    errors = {"out": rel_l2(named["out"], local_slice(out.detach(), where["out"], layout, rank)),
+              "x": rel_l2(grad_x, local_slice(xr.grad, where["grad_x"], layout, rank))}
     ref_grads = dict(ref.named_parameters())
     for name, g in zip(PARAM_NAMES, grads):
-        if name.startswith("attn.c_attn"):
-            g = qkv_blocked(g, cfg.n_head)
-        errors[name] = rel_l2(g, ref_grads[name].grad)
+        r = ref_grads[name].grad
+        if name.startswith("attn.c_attn"):   # the fusion's rows are head by head
+            r = qkv_heads_interleaved(r, cfg.n_head)
+        errors[name] = rel_l2(g, local_slice(r, where[f"grad.{name}"], layout, rank))
     return errors

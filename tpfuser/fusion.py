@@ -167,22 +167,20 @@ def _causal_probs(fd, q, k, cfg):
     return fd.ops.div(unnorm, denom)
 
 
-def _dropped_probs(fd, q, k, cfg, p, rng):
-    """(probs, keep mask or None, probs after dropout) of the written-out attention."""
-    b, h, s = cfg.batch, cfg.n_head, cfg.seq
+def _dropped_probs(fd, q, k, cfg, p, keep):
+    """(probs, probs after dropout with the keep mask, or None for no dropout)
+    of the written-out attention."""
     probs = _causal_probs(fd, q, k, cfg)
-    if p == 0:
-        return probs, None, probs
-    keep = _keep_mask(fd, [b, h, s, s], p, rng, "attn")
-    return probs, keep, _dropout(fd, probs, keep, p)
+    return probs, (probs if keep is None else _dropout(fd, probs, keep, p))
 
 
 def _causal_attention(fd, q, k, v, cfg, p, rng, outputs):
     """softmax(q k^T / sqrt(d) + causal) v, written out for dtypes flash
     attention lacks (fp32). q, k, v: float [b, h, s, d]."""
-    _, keep, dropped = _dropped_probs(fd, q, k, cfg, p, rng)
-    if keep is not None:
-        outputs["attn_keep"] = keep
+    keep = None
+    if p > 0:
+        keep = outputs["attn_keep"] = _keep_mask(fd, [cfg.batch, cfg.n_head, cfg.seq, cfg.seq], p, rng, "attn")
+    _, dropped = _dropped_probs(fd, q, k, cfg, p, keep)
     return fd.ops.matmul(dropped, v)  # (b, h, s, d)
 
 
@@ -261,9 +259,10 @@ def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, 
         for name in ("attn_keep", "resid_attn_keep", "resid_mlp_keep"):
             if name in masks:
                 ff.outputs[name] = masks[name]
-    if train:
+    if train:   # the masks are saved too: with check=True they are output once
+        saved |= masks
         for name in saved_names(cfg):
-            ff.outputs[name] = saved[name]
+            ff.outputs.setdefault(name, saved[name])
     for tv in ff.outputs.values():
         fd.add_output(tv)
     return ff
@@ -271,19 +270,17 @@ def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, 
 
 @dataclass(frozen=True)
 class ScheduleOptions:
-    """How the schedule applies the plan. The defaults are what the forward was
-    validated with. The others exist because nvFuser 0.2.36 failed to compile the
-    meshed training fusions (NOTES.md) and nvFuser's own backward test, which
-    compiles, differs in these two ways: it schedules only the inputs, and its
-    mesh is 1-D (no dp axis)."""
+    """How the schedule applies the plan. The default is what the forward was
+    validated with; the other exists because nvFuser's own backward test, which
+    compiles, schedules only the inputs."""
 
     outputs: bool = True     # also split the outputs explicitly (else: nvFuser's propagation decides)
-    flat_dp1: bool = False   # when dp == 1, a 1-D mesh of tp devices with no dp split at all
 
 
-def make_mesh(layout: Layout, options: ScheduleOptions = ScheduleOptions()):
-    if options.flat_dp1 and layout.dp == 1:
-        return nvf.multidevice.DeviceMesh(torch.arange(layout.tp))
+def make_mesh(layout: Layout, row: int | None = None):
+    """The dp x tp mesh; with `row`, that dp rank's 1-D mesh of tp devices."""
+    if row is not None:
+        return nvf.multidevice.DeviceMesh(torch.arange(row * layout.tp, (row + 1) * layout.tp))
     return nvf.multidevice.DeviceMesh(torch.arange(layout.world_size).reshape(layout.dp, layout.tp))
 
 
@@ -295,15 +292,18 @@ def _apply_placement(tv, placement, layout):
         tv.axis(dim).parallelize(_MESH_AXIS[placement[dim]])
 
 
-def schedule(ff, layout: Layout, options: ScheduleOptions = ScheduleOptions()) -> None:
-    """Put every input (and output) on the dp x tp mesh and split it as plan.placements(layout) says.
+def schedule(ff, layout: Layout, options: ScheduleOptions = ScheduleOptions(), row: int | None = None) -> None:
+    """Put every input (and output, and the backward's planned intermediates) on the
+    dp x tp mesh and split it as plan.placements(layout) says.
 
+    With `row`, on that dp rank's tp devices alone (a 1-D mesh), the dp splits left out.
     Must run inside the `with FusionDefinition()` block, after define_forward or define_backward.
     """
-    mesh = make_mesh(layout, options)
+    mesh = make_mesh(layout, row)
     where = placements(layout)
-    flat = options.flat_dp1 and layout.dp == 1
+    flat = row is not None
     named = list(ff.inputs.items()) + (list(ff.outputs.items()) if options.outputs else [])
+    named += list(getattr(ff, "intermediates", {}).items()) if options.outputs else []
     for name, tv in named:
         tv.set_device_mesh(mesh)
         placement = where[name]
@@ -358,7 +358,13 @@ class BackwardFusion:
     cfg: BlockConfig
     inputs: dict = field(default_factory=dict)    # grad_out, x, params, saved
     outputs: dict = field(default_factory=dict)   # grad_x, then grad.<param> in PARAM_NAMES order
-    has_rng: bool = False
+    intermediates: dict = field(default_factory=dict)   # plan.BACKWARD_INTERMEDIATES present in this fusion
+    meshed: bool = False
+
+    def execute(self, inputs: list) -> list[torch.Tensor]:
+        # nvFuser's resize scheduler fails on the q, k, v concatenation of a
+        # sharded backward (upstream issue 4890); its own test turns it off too.
+        return self.fd.execute(inputs, _disable_options=["resize_scheduler"] if self.meshed else [])
 
 
 def _gelu_tanh_grad(fd, x):
@@ -371,25 +377,44 @@ def _gelu_tanh_grad(fd, x):
     return fd.ops.add(fd.ops.mul(fd.ops.add(t, 1.0), 0.5), fd.ops.mul(fd.ops.mul(fd.ops.mul(x, 0.5), sech2), dinner))
 
 
+@dataclass(frozen=True)
+class BackwardForm:
+    """How the backward writes its products over the rows (b, s). The default is
+    the plain way; the other exists because nvFuser 0.2.36 fails to compile the
+    meshed backward (NOTES.md), to find a way it accepts. Both compute the same gradients."""
+
+    merge_rows: bool = True        # the linears' gradients on [b*s, n] (a reshape that merges the dp-split b);
+                                   # else 3-D products, the weight's summed over b (b times its memory)
+
+
 def _sum_rows(fd, t):
-    """Sum over batch and sequence: [b, s, n] -> [n] (over dp this is a cross-rank sum)."""
-    return fd.ops.sum(t, dims=[0, 1], keepdim=False, dtype=DataType.Null)
+    """Sum over batch and sequence: [b, s, n] -> [n], one dimension at a time.
+    Over dp (b) and under sequence parallelism (s) these are cross-rank sums, and
+    nvFuser 0.2.36 lowers a sum over a device-split axis and another axis at once
+    to a wrong-sized local copy (post_communication.cpp:74, NOTES.md)."""
+    return fd.ops.sum(fd.ops.sum(t, dims=[0], keepdim=False, dtype=DataType.Null), dims=[0], keepdim=False,
+                      dtype=DataType.Null)
 
 
-def _weight_grad(fd, g, a, b, s):
+def _weight_grad(fd, g, a, b, s, form: BackwardForm):
     """dL/dW of y = a W^T: g^T a over all rows; g [b, s, n_out], a [b, s, n_in] -> [n_out, n_in]."""
+    if not form.merge_rows:
+        per_row = fd.ops.matmul(fd.ops.permute(g, dims=[0, 2, 1]), a)       # (b, n_out, n_in)
+        return fd.ops.sum(fd.ops.cast(per_row, DataType.Float), dims=[0], keepdim=False, dtype=DataType.Null)
     g2 = fd.ops.reshape(g, new_shape=[b * s, g.shape()[2]])   # (bs, n_out)
     a2 = fd.ops.reshape(a, new_shape=[b * s, a.shape()[2]])   # (bs, n_in)
     return fd.ops.matmul(fd.ops.permute(g2, dims=[1, 0]), a2)
 
 
-def _input_grad(fd, g, w, b, s):
+def _input_grad(fd, g, w, b, s, form):
     """dL/da of y = a W^T: g W; g [b, s, n_out], w [n_out, n_in] -> [b, s, n_in]."""
+    if not form.merge_rows:
+        return fd.ops.matmul(g, w)
     g2 = fd.ops.reshape(g, new_shape=[b * s, g.shape()[2]])
     return fd.ops.reshape(fd.ops.matmul(g2, w), new_shape=[b, s, w.shape()[1]])
 
 
-def _layer_norm_backward(fd, g, xhat, rstd, weight, b, s, e):
+def _layer_norm_backward(fd, g, xhat, rstd, weight, b, s, e, form):
     """g: float [b, s, e], the gradient of the LayerNorm's output; xhat its normalized
     input. Returns (grad of the input, of the weight, of the bias), float."""
     grad_weight, grad_bias = _sum_rows(fd, fd.ops.mul(g, xhat)), _sum_rows(fd, g)
@@ -402,7 +427,7 @@ def _layer_norm_backward(fd, g, xhat, rstd, weight, b, s, e):
     return fd.ops.mul(centered, _bcast_rows(fd, rstd, b, s, e)), grad_weight, grad_bias
 
 
-def _ln_linear_backward(fd, pairs, x, ln, w, grads, cfg):
+def _ln_linear_backward(fd, pairs, x, ln, w, grads, cfg, form, intermediates):
     """Backward of column-parallel linears that share one LayerNorm input:
     pairs are (output gradient in the block dtype, weight, name of the weight's
     gradient); fills those gradients and the LayerNorm's, and returns the
@@ -413,11 +438,12 @@ def _ln_linear_backward(fd, pairs, x, ln, w, grads, cfg):
     ln_out = fd.ops.cast(_affine(fd, xhat, w[f"{ln}.weight"], w[f"{ln}.bias"], b, s, e), _NV_DTYPE[cfg.torch_dtype])
     g_ln = None
     for g, weight, name in pairs:
-        grads[name] = _weight_grad(fd, g, ln_out, b, s)
-        part = fd.ops.cast(_input_grad(fd, g, weight, b, s), DataType.Float)
+        grads[name] = _weight_grad(fd, g, ln_out, b, s, form)
+        part = fd.ops.cast(_input_grad(fd, g, weight, b, s, form), DataType.Float)
         g_ln = part if g_ln is None else fd.ops.add(g_ln, part)
+    intermediates[f"g.{ln}.out"] = g_ln
     g_x, grads[f"{ln}.weight"], grads[f"{ln}.bias"] = _layer_norm_backward(
-        fd, g_ln, xhat, w[f"{ln}.rstd"], w[f"{ln}.weight"], b, s, e)
+        fd, g_ln, xhat, w[f"{ln}.rstd"], w[f"{ln}.weight"], b, s, e, form)
     return g_x
 
 
@@ -449,25 +475,25 @@ def backward_output_names(qkv_grad: str = QKV_GRAD) -> list[str]:
     return ["grad_x"] + [f"grad.{name}" for name in names]
 
 
-def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None, qkv_grad: str = QKV_GRAD) -> BackwardFusion:
+def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None, qkv_grad: str = QKV_GRAD,
+                    form: BackwardForm = BackwardForm()) -> BackwardFusion:
     """The block's backward on global shapes.
 
     Inputs: grad_out [b, s, e], x, the parameters (PARAM_NAMES order), the saved
-    tensors (saved_names order), then the forward's dropout scalars when dropout > 0:
-    the residual (and fp32 attention) masks are drawn again from them; flash
+    tensors (saved_names order), the fusion's dropout masks among them; flash
     attention's own dropout is replayed by sdpfa_bwd from its saved philox state.
     Outputs: grad_x, then the gradient of every parameter in PARAM_NAMES order
     (backward_output_names). `outputs`, a subset of those names, keeps only
     them: nvFuser then compiles only what they need (to bisect a failure).
     qkv_grad="split" gives the c_attn gradients in q, k, v parts instead of
-    concatenating them (see below).
+    concatenating them (see below). `form`: BackwardForm.
     """
     if qkv_grad not in ("cat", "split"):
         raise ValueError(f"qkv_grad={qkv_grad!r}: must be 'cat' or 'split'")
     b, s, e, h, d = cfg.batch, cfg.seq, cfg.n_embd, cfg.n_head, cfg.head_dim
     dtype, p = _NV_DTYPE[cfg.torch_dtype], cfg.dropout
-    bf = BackwardFusion(fd, cfg, has_rng=p > 0)
-    nv = {"block": dtype, "f32": DataType.Float, "u64": DataType.UInt64}
+    bf = BackwardFusion(fd, cfg)
+    nv = {"block": dtype, "f32": DataType.Float, "u64": DataType.UInt64, "bool": DataType.Bool}
     bf.inputs["grad_out"] = fd.define_tensor(shape=[b, s, e], contiguity=True, dtype=dtype)
     bf.inputs["x"] = fd.define_tensor(shape=[b, s, e], contiguity=True, dtype=dtype)
     for name, shape in param_shapes(cfg).items():
@@ -475,35 +501,35 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None, qkv_gr
     for name, (shape, kind) in saved_specs(cfg).items():
         bf.inputs[name] = fd.define_tensor(shape=list(shape), contiguity=True, dtype=nv[kind])
     w = bf.inputs
-    rng = _rng_scalars(fd, cfg)
     grads = {}
 
     g = fd.ops.cast(w["grad_out"], DataType.Float)
     # MLP branch: out = x1 + dropout(gelu(ln_2(x1) W_fc^T + b_fc) W_proj^T + b_proj)
-    g_mlp = _dropout(fd, g, _keep_mask(fd, [b, s, e], p, rng, "resid_mlp"), p) if p > 0 else g
+    g_mlp = _dropout(fd, g, w["resid_mlp_keep"], p) if p > 0 else g
     grads["mlp.c_proj.bias"] = _sum_rows(fd, g_mlp)
     h_pre = fd.ops.cast(w["mlp_h"], DataType.Float)                        # (b, s, 4e)
-    g_mlp = fd.ops.cast(g_mlp, dtype)
-    grads["mlp.c_proj.weight"] = _weight_grad(fd, g_mlp, fd.ops.cast(_gelu_tanh(fd, h_pre), dtype), b, s)
-    g_h = fd.ops.mul(fd.ops.cast(_input_grad(fd, g_mlp, w["mlp.c_proj.weight"], b, s), DataType.Float),
+    g_mlp = bf.intermediates["g.mlp.c_proj.out"] = fd.ops.cast(g_mlp, dtype)
+    grads["mlp.c_proj.weight"] = _weight_grad(fd, g_mlp, fd.ops.cast(_gelu_tanh(fd, h_pre), dtype), b, s, form)
+    g_h = fd.ops.mul(fd.ops.cast(_input_grad(fd, g_mlp, w["mlp.c_proj.weight"], b, s, form), DataType.Float),
                      _gelu_tanh_grad(fd, h_pre))                             # (b, s, 4e)
     grads["mlp.c_fc.bias"] = _sum_rows(fd, g_h)
     g_x1 = fd.ops.add(g, _ln_linear_backward(fd, [(fd.ops.cast(g_h, dtype), w["mlp.c_fc.weight"], "mlp.c_fc.weight")],
-                                             w["x1"], "ln_2", w, grads, cfg))
+                                             w["x1"], "ln_2", w, grads, cfg, form, bf.intermediates))
 
     # Attention branch: x1 = x + dropout(attn(ln_1(x)) W_proj^T + b_proj)
-    g_attn = _dropout(fd, g_x1, _keep_mask(fd, [b, s, e], p, rng, "resid_attn"), p) if p > 0 else g_x1
+    g_attn = _dropout(fd, g_x1, w["resid_attn_keep"], p) if p > 0 else g_x1
     grads["attn.c_proj.bias"] = _sum_rows(fd, g_attn)
     q, k, v = _split_heads(fd, w["qkv"], cfg)                              # (b, h, s, d)
-    g_attn = fd.ops.cast(g_attn, dtype)
+    g_attn = bf.intermediates["g.attn.c_proj.out"] = fd.ops.cast(g_attn, dtype)
     if cfg.torch_dtype == torch.bfloat16:
         y = w["sdpa_out"]
     else:  # recompute the probabilities once, for y and for the attention backward
-        probs, keep, dropped = _dropped_probs(fd, q, k, cfg, p, rng)
+        keep = w.get("attn_keep")
+        probs, dropped = _dropped_probs(fd, q, k, cfg, p, keep)
         y = fd.ops.matmul(dropped, v)
     y_bse = fd.ops.reshape(fd.ops.permute(y, dims=[0, 2, 1, 3]), new_shape=[b, s, e])
-    grads["attn.c_proj.weight"] = _weight_grad(fd, g_attn, y_bse, b, s)
-    g_y = _input_grad(fd, g_attn, w["attn.c_proj.weight"], b, s)          # (b, s, e), heads over tp
+    grads["attn.c_proj.weight"] = _weight_grad(fd, g_attn, y_bse, b, s, form)
+    g_y = _input_grad(fd, g_attn, w["attn.c_proj.weight"], b, s, form)          # (b, s, e), heads over tp
     g_y = fd.ops.permute(fd.ops.reshape(g_y, new_shape=[b, s, h, d]), dims=[0, 2, 1, 3])  # (b, h, s, d)
     if cfg.torch_dtype == torch.bfloat16:
         g_q, g_k, g_v = fd.ops.sdpfa_bwd(
@@ -531,7 +557,7 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None, qkv_gr
                                     new_shape=[e, e])
             grads[f"attn.c_attn.bias.{part}"] = _sum_rows(fd, fd.ops.cast(g_part, DataType.Float))
             pairs.append((fd.ops.cast(g_part, dtype), w_part, f"attn.c_attn.weight.{part}"))
-    g_x = _ln_linear_backward(fd, pairs, fd.ops.cast(w["x"], DataType.Float), "ln_1", w, grads, cfg)
+    g_x = _ln_linear_backward(fd, pairs, fd.ops.cast(w["x"], DataType.Float), "ln_1", w, grads, cfg, form, bf.intermediates)
 
     grads = {"grad_x": fd.ops.add(g_x1, g_x)} | {f"grad.{name}": t for name, t in grads.items()}
     results = {name: grads[name] for name in backward_output_names(qkv_grad)}
@@ -546,11 +572,22 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None, qkv_gr
 
 
 def build_backward(cfg: BlockConfig, layout: Layout | None = None,
-                   options: ScheduleOptions = ScheduleOptions(), outputs=None, qkv_grad: str = QKV_GRAD) -> BackwardFusion:
-    """Define the backward and, when a layout is given, shard it on its mesh."""
+                   options: ScheduleOptions = ScheduleOptions(), outputs=None, qkv_grad: str = QKV_GRAD,
+                   form: BackwardForm = BackwardForm(), dp_rank: int = 0) -> BackwardFusion:
+    """Define the backward and, when a layout is given, shard it on its mesh.
+
+    The backward of dp rank `dp_rank` runs on that rank's tp devices alone, on
+    its b/dp rows of the batch: its parameter gradients are sums over those
+    rows, and the caller sums them over dp (runtime.ShardedBlock.backward, as
+    DDP does). Inside the fusion nvFuser 0.2.36 would all-reduce a sum over the
+    mesh's dp axis within the tp team instead (its lowering takes the team
+    along the mesh's first axis; NOTES.md)."""
+    if layout is not None:
+        layout.check(cfg)
+        cfg = cfg.replace(batch=cfg.batch // layout.dp)
     with FusionDefinition() as fd:
-        bf = define_backward(fd, cfg, outputs, qkv_grad)
+        bf = define_backward(fd, cfg, outputs, qkv_grad, form)
         if layout is not None:
-            layout.check(cfg)
-            schedule(bf, layout, options)
+            schedule(bf, layout, options, row=dp_rank)
+            bf.meshed = True
     return bf

@@ -56,6 +56,20 @@ def init_rank(layout: Layout) -> int:
     return info["rank"]
 
 
+def dp_group(layout: Layout, rank: int):
+    """This rank's dp group: the ranks holding the same tp shards (one per dp
+    row), over which the backward sums parameter gradients. Every rank must call
+    it (torch.distributed creates all groups collectively); torch.distributed
+    must be initialized."""
+    import torch.distributed as dist
+    mine = None
+    for t in range(layout.tp):
+        group = dist.new_group([d * layout.tp + t for d in range(layout.dp)])
+        if rank % layout.tp == t:
+            mine = group
+    return mine
+
+
 def torchrun_command(layout: Layout, argv: list[str], environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """The command and environment that re-run `tpfuser argv` under torchrun on this node.
     The world of one that fusion.py may have described for this process is dropped."""

@@ -58,20 +58,27 @@ SAVED_PLACEMENTS: dict[str, Placement] = {
 
 def saved_specs(cfg: BlockConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """name -> (global shape, dtype) of what the training forward saves, in the
-    order the backward takes them. dtype: "block" (bf16/fp32), "f32" or "u64".
-    Dropout masks are not saved: the backward draws them again."""
+    order the backward takes them. dtype: "block" (bf16/fp32), "f32", "u64" or "bool".
+    The fusion's dropout masks are saved (one byte an element, as eager PyTorch
+    saves them), not drawn again: nvFuser 0.2.36 fails to compile the hash in the
+    meshed backward (NOTES.md). Flash attention's (bf16) is replayed from its philox state."""
     b, s, e, h, d = cfg.batch, cfg.seq, cfg.n_embd, cfg.n_head, cfg.head_dim
     specs = {"ln_1.mean": ((b, s), "f32"), "ln_1.rstd": ((b, s), "f32"), "qkv": ((b, s, 3 * e), "block")}
     if cfg.dtype == "bf16":
         specs |= {"sdpa_out": ((b, h, s, d), "block"), "sdpa_lse": ((b, h, s), "f32"),
                   "sdpa_seed": ((2,), "u64"), "sdpa_offset": ((), "u64")}
-    return specs | {"x1": ((b, s, e), "f32"), "ln_2.mean": ((b, s), "f32"), "ln_2.rstd": ((b, s), "f32"),
-                    "mlp_h": ((b, s, 4 * e), "block")}
+    specs |= {"x1": ((b, s, e), "f32"), "ln_2.mean": ((b, s), "f32"), "ln_2.rstd": ((b, s), "f32"),
+              "mlp_h": ((b, s, 4 * e), "block")}
+    if cfg.dropout > 0:
+        specs |= {"resid_attn_keep": ((b, s, e), "bool"), "resid_mlp_keep": ((b, s, e), "bool")}
+        if cfg.dtype == "fp32":
+            specs |= {"attn_keep": ((b, h, s, s), "bool")}
+    return specs
 
 
 def saved_bytes_per_rank(cfg: BlockConfig, layout: Layout) -> int:
     """What the training forward keeps for backward on one rank (the input x, kept by autograd, included)."""
-    sizes = {"block": cfg.torch_dtype.itemsize, "f32": 4, "u64": 8}
+    sizes = {"block": cfg.torch_dtype.itemsize, "f32": 4, "u64": 8, "bool": 1}
     total = 0
     specs = saved_specs(cfg) | {"x": ((cfg.batch, cfg.seq, cfg.n_embd), "block")}
     where = placements(layout)
@@ -92,15 +99,26 @@ GRAD_PLACEMENTS: dict[str, Placement] = {
     **{f"grad.attn.c_attn.{kind}.{part}": {0: TP} for kind in ("weight", "bias") for part in "qkv"},
 }
 
+# Intermediates of the backward that the schedule places too, where the
+# collectives go (as nvFuser's own sequence-parallel backward test does):
+# the gradients at the row-parallel linears' outputs, which their weight and
+# input gradients read whole (under SP: all-gathered), and the gradients at the
+# LayerNorms' outputs, the column-parallel linears' input gradients summed over
+# tp (all-reduced; under SP reduce-scattered).
+BACKWARD_INTERMEDIATES: dict[str, Placement] = {
+    "g.mlp.c_proj.out": {0: DP}, "g.attn.c_proj.out": {0: DP},   # [b, s, e]
+    "g.ln_2.out": {0: DP}, "g.ln_1.out": {0: DP},                 # [b, s, e] float
+}
+
 PLACEMENTS: dict[str, Placement] = {**PARAM_PLACEMENTS, **ACTIVATION_PLACEMENTS, **SAVED_PLACEMENTS,
-                                    **GRAD_PLACEMENTS}
+                                    **GRAD_PLACEMENTS, **BACKWARD_INTERMEDIATES}
 
 # Sequence parallelism: what tensor parallelism replicates over tp (the block's
 # input and output, LayerNorms, residuals, residual dropouts) is split on the
 # sequence over tp instead. Inside attention and the MLP nothing changes.
 SP_OVERRIDES: dict[str, Placement] = {
     name: {0: DP, 1: TP} for name in ("x", "out", "resid_attn_keep", "resid_mlp_keep", "ln_1.mean", "ln_1.rstd",
-                                      "x1", "ln_2.mean", "ln_2.rstd", "grad_out", "grad_x")}
+                                      "x1", "ln_2.mean", "ln_2.rstd", "grad_out", "grad_x", "g.ln_2.out", "g.ln_1.out")}
 
 
 def placements(layout: Layout) -> dict[str, Placement]:
@@ -164,8 +182,9 @@ def backward_collectives(cfg: BlockConfig, layout: Layout) -> list[Collective]:
     parallel: an all-gather of the upstream gradient before each row-parallel
     linear, an all-gather of the LayerNorm output (recomputed on the rank's part
     of the sequence) for each column-parallel weight gradient, and a
-    reduce-scatter of each column-parallel input gradient. Over dp, every
-    parameter gradient is all-reduced (not listed: per parameter, team dp)."""
+    reduce-scatter of each column-parallel input gradient. Over dp, the
+    parameter gradients are summed after the fusion (not listed: one all-reduce
+    of all of them through torch.distributed, runtime.ShardedBlock.backward)."""
     b, s, e = cfg.batch // layout.dp, cfg.seq, cfg.n_embd
     nbytes, tp = cfg.torch_dtype.itemsize, layout.tp
     out = []

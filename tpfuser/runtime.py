@@ -16,7 +16,7 @@ import torch
 
 from tpfuser.config import BlockConfig, Layout
 from tpfuser.dropout import STREAMS, stream_key
-from tpfuser.fusion import MASK_STARTS, QKV_GRAD, QKV_PARTS, ScheduleOptions, build_backward, build_forward, rng_input_names, saved_names
+from tpfuser.fusion import MASK_STARTS, QKV_GRAD, BackwardForm, QKV_PARTS, ScheduleOptions, build_backward, build_forward, rng_input_names, saved_names
 from tpfuser.plan import PARAM_PLACEMENTS, local_shape, placements
 from tpfuser.reference import PARAM_NAMES, param_shapes
 from tpfuser.shard import fusion_params, local_slice, qkv_from_parts, rank_params, slice_starts
@@ -59,11 +59,14 @@ class ShardedBlock:
 
     def __init__(self, cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, check: bool = False,
                  device: Optional[torch.device] = None, mesh: bool = True,
-                 train_options: ScheduleOptions = ScheduleOptions(), qkv_grad: str = QKV_GRAD):
+                 train_options: ScheduleOptions = ScheduleOptions(), qkv_grad: str = QKV_GRAD,
+                 backward_form: BackwardForm = BackwardForm(), dp_group=None):
         """mesh=False (1x1 only) builds the fusion without a device mesh: the
         same math, run by nvFuser's single-device executor (see NOTES.md).
         train_options: how the training forward and the backward are scheduled;
-        qkv_grad: how the backward forms c_attn's gradients (fusion.define_backward)."""
+        qkv_grad and backward_form: how the backward is written (fusion.define_backward);
+        dp_group: the torch.distributed group of this rank's dp replicas (launch.dp_group),
+        over which backward sums the parameter gradients; needed when dp > 1."""
         layout.check(cfg)
         if not mesh and layout.world_size != 1:
             raise ValueError(f"mesh=False needs a 1x1 layout, got {layout.dp}x{layout.tp}")
@@ -76,7 +79,8 @@ class ShardedBlock:
         self._params: Optional[list[torch.Tensor]] = None
         self._train_fusion = self._backward_fusion = None   # built on first use
         self.train_options = train_options
-        self.qkv_grad = qkv_grad
+        self.qkv_grad, self.backward_form = qkv_grad, backward_form
+        self.dp_group = dp_group
 
     # -- parameters -------------------------------------------------------
     def load(self, state: dict[str, torch.Tensor]) -> "ShardedBlock":
@@ -165,30 +169,49 @@ class ShardedBlock:
         saved = [named.pop(name) for name in saved_names(self.cfg)]
         return named, saved
 
-    def backward(self, grad_out: torch.Tensor, x: torch.Tensor, saved: list[torch.Tensor],
-                 rng_seed: int = 0, rng_offset: int = 0, params=None):
-        """(grad of x, [grad of each parameter shard in PARAM_NAMES order]) for this rank.
-        The dropout masks are drawn again from (rng_seed, rng_offset): pass the forward's."""
-        inputs = self.backward_inputs(grad_out, x, saved, rng_seed, rng_offset, params)
+    def backward(self, grad_out: torch.Tensor, x: torch.Tensor, saved: list[torch.Tensor], params=None):
+        """(grad of x, [grad of each parameter shard in PARAM_NAMES order]) for this rank,
+        from forward_train's saved list (its dropout masks included). The parameter
+        gradients are the whole batch's: summed over dp after the fusion."""
+        if self.layout.dp > 1 and self.dp_group is None:
+            raise ValueError(f"dp={self.layout.dp}: the parameter gradients are summed over dp after the backward "
+                             f"fusion; pass ShardedBlock(dp_group=launch.dp_group(layout, rank))")
+        inputs = self.backward_inputs(grad_out, x, saved, params)
         if self._backward_fusion is None:
             self._backward_fusion = build_backward(self.cfg, self._mesh_layout, self.train_options,
-                                                   qkv_grad=self.qkv_grad)
-        named = dict(zip(self._backward_fusion.outputs, self._backward_fusion.fd.execute(inputs)))
+                                                   qkv_grad=self.qkv_grad, form=self.backward_form,
+                                                   dp_rank=self.dp_rank)
+        named = dict(zip(self._backward_fusion.outputs, self._backward_fusion.execute(inputs)))
         grads = [named[f"grad.{name}"] if f"grad.{name}" in named else
                  qkv_from_parts([named[f"grad.{name}.{part}"] for part in QKV_PARTS], self.cfg.head_dim)
                  for name in PARAM_NAMES]
-        return named["grad_x"], grads
+        return named["grad_x"], self._sum_over_dp(grads)
+
+    def _sum_over_dp(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One all-reduce over the dp group of every parameter gradient, flattened
+        together and summed in fp32 (through the CPU where the group is gloo's)."""
+        if self.layout.dp == 1:
+            return grads
+        import torch.distributed as dist
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        on = flat.cpu() if dist.get_backend(self.dp_group) == "gloo" else flat
+        dist.all_reduce(on, group=self.dp_group)
+        flat = on.to(flat.device)
+        out, at = [], 0
+        for g in grads:
+            out.append(flat[at:at + g.numel()].view_as(g).to(g.dtype))
+            at += g.numel()
+        return out
 
     def backward_inputs(self, grad_out: torch.Tensor, x: torch.Tensor, saved: list[torch.Tensor],
-                        rng_seed: int = 0, rng_offset: int = 0, params=None) -> list:
+                        params=None) -> list:
         """The backward fusion's inputs, checked, in its order (fusion.define_backward)."""
         params = self._checked_params(params)
         self._validate("grad_out", grad_out, self.input_shape())
         if len(saved) != len(saved_names(self.cfg)):
             raise ValueError(f"saved: expected {len(saved_names(self.cfg))} tensors "
                              f"({', '.join(saved_names(self.cfg))}), got {len(saved)}")
-        return [grad_out.contiguous(), x.contiguous(), *params, *(t.contiguous() for t in saved),
-                *self._rng_inputs(rng_seed, rng_offset)]
+        return [grad_out.contiguous(), x.contiguous(), *params, *(t.contiguous() for t in saved)]
 
 
 def gather_output(local: torch.Tensor, layout: Layout, name: str = "out", group=None) -> torch.Tensor:
@@ -217,9 +240,8 @@ class _BlockFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, block: ShardedBlock, rng_seed: int, rng_offset: int, x, *params):
         named, saved = block.forward_train(x, rng_seed, rng_offset, params)
-        ctx.block, ctx.rng = block, (rng_seed, rng_offset)
+        ctx.block = block
         ctx.save_for_backward(x, *params, *saved)
-        ctx.extra = {k: v for k, v in named.items() if k != "out"}   # masks in check mode
         return named["out"]
 
     @staticmethod
@@ -227,7 +249,7 @@ class _BlockFunction(torch.autograd.Function):
         tensors = ctx.saved_tensors
         n = len(PARAM_NAMES)
         x, params, saved = tensors[0], tensors[1:1 + n], list(tensors[1 + n:])
-        grad_x, grads = ctx.block.backward(grad_out, x, saved, *ctx.rng, params=params)
+        grad_x, grads = ctx.block.backward(grad_out, x, saved, params=params)
         return (None, None, None, grad_x, *grads)
 
 
@@ -237,15 +259,16 @@ class TPBlock(torch.nn.Module):
     each rank its gradient shards. Parameter gradients are summed over dp inside
     the backward fusion (as for a loss summed over the global batch).
 
-    Each training-mode call draws fresh dropout masks: the philox offset is a
+    Each training-mode call draws fresh dropout masks: the rng offset is a
     step counter, the seed fixed at construction."""
 
     def __init__(self, cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, rng_seed: int = 0,
                  device: Optional[torch.device] = None, mesh: bool = True,
-                 train_options: ScheduleOptions = ScheduleOptions()):
+                 train_options: ScheduleOptions = ScheduleOptions(), dp_group=None):
         super().__init__()
         self.cfg, self.layout, self.rank = cfg, layout, rank
-        self.runner = ShardedBlock(cfg, layout, rank, device=device, mesh=mesh, train_options=train_options)
+        self.runner = ShardedBlock(cfg, layout, rank, device=device, mesh=mesh, train_options=train_options,
+                                   dp_group=dp_group)
         self._eval_runner = None
         self.shards = torch.nn.ParameterList()
         self.rng_seed, self.step = rng_seed, 0
@@ -262,7 +285,7 @@ class TPBlock(torch.nn.Module):
             if self._eval_runner is None:
                 self._eval_runner = ShardedBlock(self.cfg.replace(dropout=0.0), self.layout, self.rank,
                                                  device=self.runner.device, mesh=self.runner._mesh_layout is not None,
-                                                 train_options=self.runner.train_options)
+                                                 train_options=self.runner.train_options, dp_group=self.runner.dp_group)
             runner = self._eval_runner
         offset = self.step
         if self.training:
