@@ -21,8 +21,9 @@ def _full_precision(no_tf32):
 @pytest.mark.parametrize("name", ["tiny", "nanogpt"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["p0", "p0.1"])
-def test_forward_matches_reference(name, dtype, dropout):
+def test_forward_matches_reference(name, dtype, dropout, record):
     result = check_forward(preset(name, dtype=dtype, dropout=dropout), Layout(1, 1), preset_name=name)
+    record(**result.as_dict())
     assert result.rel_err <= TOLERANCES[dtype], result.as_dict()
     # the fusion's masks, bit for bit, are dropout.keep_mask's (computed by torch)
     assert len(result.mask_mismatches) == (0 if dropout == 0 else 3 if dtype == "fp32" else 2)

@@ -82,14 +82,3 @@ def test_tp_simulation_detects_a_wrong_slicing():
         state[name] = qkv_blocked(state[name], cfg.n_head)
     err = ((simulate_tp_forward(x, state, cfg, 2) - block(x)).norm() / block(x).norm()).item()
     assert err > 1e-3
-
-
-def test_qkv_from_parts_inverts_the_backward_split():
-    """The backward (qkv_grad="split") takes the rows of c_attn's q, k, v as
-    weight.reshape(h, 3, d, e)[:, i]; qkv_from_parts puts such parts back."""
-    from tpfuser.shard import qkv_from_parts
-    h, d, e = 4, 8, 32
-    for t in (torch.randn(3 * h * d, e), torch.randn(3 * h * d)):
-        parts = [t.reshape(h, 3, d, *t.shape[1:])[:, i].reshape(h * d, *t.shape[1:]) for i in range(3)]
-        assert torch.equal(qkv_from_parts(parts, d), t)
-        assert not torch.equal(qkv_from_parts(parts[::-1], d), t)

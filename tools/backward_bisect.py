@@ -1,13 +1,13 @@
 """Which outputs of the meshed backward does nvFuser fail to compile, and why?
 
-One GPU, 1x1 mesh, `tiny`, dropout 0.1. The whole backward, with c_attn's
-gradients concatenated (qkv_grad="cat") and in parts ("split"), then each output alone
+One GPU, 1x1 mesh, `tiny`, dropout 0.1. The whole backward in each form
+asked (dtype, BackwardForm), then, with --each, each output alone
 (define_backward(outputs=[name]): nvFuser compiles only what that output
 needs), built, scheduled on the mesh and run on the training forward's saved
 tensors. Parallel compilation is off, so an error is the failing segment's
 own. Prints a line per case.
 
-    source .nvf/setup.sh; PYTHONPATH=$PWD python3 tools/backward_bisect.py [seconds] [bf16:cat:3d,...] [--each]
+    source .nvf/setup.sh; PYTHONPATH=$PWD python3 tools/backward_bisect.py [seconds] [bf16,fp32:3d,...] [--each]
 
 Writes $OUT/bisect_<forms>.json; several can run at once (gpu_suite's bisect step does).
 """
@@ -43,7 +43,7 @@ def saved_inputs(cfg, layout):
 
 
 def main(budget_s: float, forms: str, each: bool) -> None:
-    """forms: comma-separated dtype:qkv_grad[:rows], rows "merge" (the default
+    """forms: comma-separated dtype[:rows], rows "merge" (the default
     BackwardForm) or "3d" (merge_rows=False). Each form's whole backward is run;
     with each=True, each output alone of the forms that fail."""
     deadline = time.time() + budget_s
@@ -51,40 +51,40 @@ def main(budget_s: float, forms: str, each: bool) -> None:
     rows, path = [], os.path.join(os.environ.get("OUT", "."), f"bisect_{tag}.json")
     layout, inputs = Layout(1, 1), {}
 
-    def run(dtype, qkv_grad, rows_form, outputs):
+    def run(dtype, rows_form, outputs):
         cfg = preset("tiny", dtype=dtype)
         if dtype not in inputs:
             inputs[dtype] = saved_inputs(cfg, layout)
         form = BackwardForm(merge_rows=rows_form == "merge")
-        row = {"dtype": dtype, "dropout": cfg.dropout, "qkv_grad": qkv_grad, "rows": rows_form, "outputs": outputs or "all"}
+        row = {"dtype": dtype, "dropout": cfg.dropout, "rows": rows_form, "outputs": outputs or "all"}
         start = time.perf_counter()
         try:
-            build_backward(cfg, layout, outputs=outputs, qkv_grad=qkv_grad, form=form).execute(inputs[dtype])
+            build_backward(cfg, layout, outputs=outputs, form=form).execute(inputs[dtype])
             row["ok"] = True
         except Exception as e:  # nvFuser's compile asserts
             row["ok"], row["error"] = False, where_it_failed(e)
         row["seconds"] = round(time.perf_counter() - start, 1)
         rows.append(row)
         what = ",".join(outputs) if outputs else "all outputs"
-        print(f"bisect {dtype} qkv_grad={qkv_grad} rows={rows_form} {what:<28} {row['seconds']:>5}s  "
+        print(f"bisect {dtype} rows={rows_form} {what:<28} {row['seconds']:>5}s  "
               f"{'ok' if row['ok'] else 'FAIL ' + row['error'][:300]}", flush=True)
         with open(path, "w") as f:
             json.dump(rows, f, indent=1)
         return row["ok"]
 
-    cases = [(f.split(":") + ["merge"])[:3] for f in forms.split(",")]
+    cases = [(f.split(":") + ["merge"])[:2] for f in forms.split(",")]
     failed = [case for case in cases if not run(*case, None)]
-    for dtype, qkv, rows_form in failed if each else []:
-        for name in backward_output_names(qkv):
+    for dtype, rows_form in failed if each else []:
+        for name in backward_output_names():
             if time.time() > deadline:
                 print("stopped: time budget spent", flush=True)
                 return
-            run(dtype, qkv, rows_form, [name])
+            run(dtype, rows_form, [name])
 
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if a != "--each"]
-    main(float(args[0]) if args else 150, args[1] if len(args) > 1 else "bf16:cat,fp32:cat,bf16:split,fp32:split",
+    main(float(args[0]) if args else 150, args[1] if len(args) > 1 else "bf16,fp32",
          "--each" in sys.argv)
     sys.stdout.flush()
     os._exit(0)   # nvFuser's multi-device objects can crash at interpreter exit (../shared/device/README.md)

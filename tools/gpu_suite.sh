@@ -2,16 +2,22 @@
 # Every GPU check and the benchmarks, in one device call:
 #   source .nvf/setup.sh; bash tools/gpu_suite.sh
 # Writes JSON under $OUT (default ./gpu_out) and prints a short table last.
-# ONLY="tests train" runs those steps, in that order (steps: tests fwd bwd train
-# bench bisect dp dpbwd tp tpbwd gpt3; fwd and bwd are the tests step split in two). TESTS= and K= narrow the pytest step
-# (e.g. TESTS=tests/test_gpu_backward.py K="not mesh"), TESTS_S bounds it (s);
-# BISECT_FORMS (e.g. "bf16:cat bf16:cat:3d") the backward forms tried at once, BISECT_S
-# their time bound, BISECT_EACH=1 then bisects each output of a failing form.
+#
+# ONLY="fwd+bwd train" picks the steps, in order; steps joined by + run at once:
+#   tests  pytest -m gpu on TESTS (default tests/), narrowed by K, bound TESTS_S (s)
+#   fwd, bwd, bwdmesh   the forward tests; the backward's without and with a mesh (BWD_K narrows)
+#   train, bench, gpt3  benchmarks: nanogpt fwd+bwd, nanogpt fwd, gpt3 fwd (ITERS samples, 30)
+#   bisect  the meshed backward in each of BISECT_FORMS ("bf16 bf16:3d"), bound BISECT_S,
+#           BISECT_EACH=1 then each output alone of a failing form
+#   dp, dpbwd, tp, tpbwd  two ranks on the one GPU (tools/two_ranks.py)
+# SUITE_S: no step starts after this many seconds. At most 8 files come back from
+# the device: the summary, and everything else in run.tar.gz.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 ONLY=${ONLY:-tests train bench bisect dp tp gpt3}
 TESTS=${TESTS:-tests} K=${K:-}
 export PYTHONPATH=$PWD:${PYTHONPATH:-} NVIDIA_TF32_OVERRIDE=0 PYTHONUNBUFFERED=1
+export TPFUSER_GPU_RECORD=$OUT/gpu_record.jsonl   # the figures behind the GPU tests (tests/conftest.py)
 T=timeout
 
 pytest_gpu() {  # name, files, -k expression
@@ -21,19 +27,19 @@ pytest_gpu() {  # name, files, -k expression
 }
 step_tests() { echo "== GPU tests (1x1): $TESTS ${K:+-k $K}"; pytest_gpu tests "$TESTS" "$K"; }
 step_fwd() { echo "== GPU tests (1x1): the forward"; pytest_gpu tests_fwd tests/test_gpu.py ""; }
-step_bwd() { echo "== GPU tests (1x1): the backward without a mesh"; pytest_gpu tests_bwd tests/test_gpu_backward.py "${BWD_K:-not mesh}"; }
-step_bwdmesh() { echo "== GPU tests (1x1): the backward on a mesh"; pytest_gpu tests_bwdmesh tests/test_gpu_backward.py "mesh"; }
+step_bwd() { echo "== GPU tests (1x1): the backward without a mesh"; pytest_gpu tests_bwd tests/test_gpu_backward.py "${BWD_K:+($BWD_K) and }not mesh"; }
+step_bwdmesh() { echo "== GPU tests (1x1): the backward on a mesh"; pytest_gpu tests_bwdmesh tests/test_gpu_backward.py "${BWD_K:+($BWD_K) and }mesh"; }
 step_train() {
   echo "== benchmark: nanogpt forward+backward (a training step), with peak and saved memory"
-  $T 240 python3 -m tpfuser.bench --preset nanogpt --train --json "$OUT/bench_nanogpt_train.json" --iters 30 2>&1 | tee "$OUT/train.log"
+  $T 240 python3 -m tpfuser.bench --preset nanogpt --train --json "$OUT/bench_nanogpt_train.json" --iters ${ITERS:-30} 2>&1 | tee "$OUT/train.log"
 }
 step_bench() {
   echo "== benchmark: nanogpt forward, nvFuser (1x1 mesh, and no mesh) vs eager vs torch.compile"
-  $T 300 python3 -m tpfuser.bench --preset nanogpt --json "$OUT/bench_nanogpt.json" --iters 100
+  $T 300 python3 -m tpfuser.bench --preset nanogpt --json "$OUT/bench_nanogpt.json" --iters $((${ITERS:-30} * 3))
 }
 step_bisect() {
   echo "== the meshed backward (1x1) in each form at once; then each output alone of the failing ones"
-  for form in ${BISECT_FORMS:-bf16:cat fp32:cat bf16:split bf16:cat:3d}; do
+  for form in ${BISECT_FORMS:-bf16 fp32 bf16:3d}; do
     $T $((${BISECT_S:-120} + 60)) python3 tools/backward_bisect.py ${BISECT_S:-120} $form ${BISECT_EACH:+--each} \
       > "$OUT/bisect_$form.log" 2>&1 &
   done
@@ -70,7 +76,7 @@ step_tpbwd() {
 }
 step_gpt3() {
   echo "== benchmark: gpt3 forward at 1x1 (fewer samples: ~11 ms a call)"
-  $T 300 python3 -m tpfuser.bench --preset gpt3 --impl nvfuser,eager,compile --json "$OUT/bench_gpt3.json" --iters 15
+  $T 300 python3 -m tpfuser.bench --preset gpt3 --json "$OUT/bench_gpt3.json" --iters $(((${ITERS:-30} + 1) / 2))
 }
 
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("localhost", 0)); print(s.getsockname()[1])'; }
@@ -79,7 +85,9 @@ unset NVFUSER_MASTER_PORT   # single-process runs pick a free port (tpfuser/fusi
 
 # Steps joined by + run at the same time (e.g. ONLY="fwd+bwd+dp train"); their output is
 # printed when the group ends. Only put correctness steps together: timings need the GPU alone.
+DEADLINE=$((SECONDS + ${SUITE_S:-100000}))   # SUITE_S: no step starts later than this (s)
 for group in $ONLY; do
+  if (( SECONDS > DEADLINE )); then echo "== $group: not started, past SUITE_S=$SUITE_S s"; continue; fi
   if [[ $group != *+* ]]; then "step_$group"; continue; fi
   for step in ${group//+/ }; do "step_$step" > "$OUT/step_$step.txt" 2>&1 & done
   wait

@@ -25,6 +25,16 @@ for junit in sorted(glob.glob(os.path.join(out, "gpu_tests*.xml"))):
                               "failed_tests": failed}
     rows.append((f"gpu {name} (1x1)", f"{t - f - e - s} passed, {f + e} failed, {s} skipped/xfail"))
     rows += [("  failed", n) for n in failed]
+record = os.path.join(out, "gpu_record.jsonl")
+if os.path.exists(record):
+    summary["gpu_record"] = [json.loads(line) for line in open(record) if line.strip()]
+    for r in summary["gpu_record"]:
+        if "rel_l2" in r:
+            worst = max(r["rel_l2"], key=r["rel_l2"].get)
+            rows.append((f"  {r['test']}", f"worst rel L2 {r['rel_l2'][worst]:.1e} ({worst}) <= {r['tolerance']:.0e}"))
+        elif "worst_rel_diff" in r:
+            rows.append((f"  {r['test']}", f"losses {r['losses'][0][0]:.4f} -> {r['losses'][-1][0]:.4f}, "
+                                           f"worst rel diff {r['worst_rel_diff']:.1e}"))
 for path in sorted(glob.glob(os.path.join(out, "dpbwd_rank*.json"))):
     r = json.load(open(path))
     summary.setdefault("dp_2x1_backward", []).append(r)
@@ -77,11 +87,11 @@ if cases:
     summary["backward_bisect"] = cases
     for r in cases:
         if r["outputs"] == "all":
-            rows.append((f"meshed backward tiny {r['dtype']} qkv_grad={r.get('qkv_grad', 'cat')} rows={r.get('rows')}",
+            rows.append((f"meshed backward tiny {r['dtype']} rows={r.get('rows')}",
                          "compiles and runs" if r["ok"] else f"FAILS: {r['error'][:150]}"))
     singles = [r for r in cases if r["outputs"] != "all"]
     if singles:
-        bad = [f"{r['dtype']}/{r.get('qkv_grad')}:{r['outputs'][0]}" for r in singles if not r["ok"]]
+        bad = [f"{r['dtype']}/{r.get('rows')}:{r['outputs'][0]}" for r in singles if not r["ok"]]
         rows.append(("meshed backward, one output each", f"{len(singles) - len(bad)}/{len(singles)} ok; failing: {', '.join(bad)}"))
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 width = max(len(k) for k, _ in rows) if rows else 10

@@ -11,7 +11,7 @@
   tpbwd, spbwd: the backward fusion alone on a 1x2 mesh (TP, SP), on zero
       inputs of this rank's shapes, up to its first collective.
 
-Run: torchrun --standalone --nproc-per-node 2 tools/two_ranks.py dp|dpbwd|tp|sp|tpbwd|spbwd [cat|split]
+Run: torchrun --standalone --nproc-per-node 2 tools/two_ranks.py dp|dpbwd|tp|sp|tpbwd|spbwd
 """
 import json
 import os
@@ -71,9 +71,7 @@ elif mode in ("tpbwd", "spbwd"):
     from tpfuser.runtime import ShardedBlock
     layout = Layout(1, 2, sp=mode == "spbwd")
     cfg = preset("tiny", dtype="bf16", dropout=0.0)
-    from tpfuser.fusion import QKV_GRAD
-    qkv_grad = sys.argv[2] if len(sys.argv) > 2 else QKV_GRAD
-    block = ShardedBlock(cfg, layout, rank, device=torch.device("cuda", 0), qkv_grad=qkv_grad)
+    block = ShardedBlock(cfg, layout, rank, device=torch.device("cuda", 0))
     from tpfuser.reference import PARAM_NAMES
     block.load_shards([torch.zeros(block.local_param_shape(n), device="cuda", dtype=cfg.torch_dtype) for n in PARAM_NAMES])
     kinds = {"block": cfg.torch_dtype, "f32": torch.float32, "u64": torch.uint64, "bool": torch.bool}

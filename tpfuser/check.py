@@ -17,7 +17,6 @@ import torch
 from tpfuser.config import BlockConfig, Layout
 from tpfuser.reference import Masks, make_block, make_input
 from tpfuser.dropout import keep_mask, stream_key
-from tpfuser.fusion import QKV_GRAD
 from tpfuser.plan import placements
 from tpfuser.runtime import ShardedBlock, mask_shape
 from tpfuser.shard import local_slice
@@ -146,7 +145,7 @@ GRAD_TOLERANCES = {"bf16": 2e-2, "fp32": 1e-5}
 
 
 def check_backward(cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, mesh: bool = True,
-                   train_options=None, rng_seed: int = 1234, rng_offset: int = 5, qkv_grad: str = QKV_GRAD,
+                   train_options=None, rng_seed: int = 1234, rng_offset: int = 5,
                    backward_form=None, dp_group=None) -> dict:
     """This rank's gradients (input and every parameter shard) against the
     matching slices of reference autograd's, with the fusion's dropout masks.
@@ -164,7 +163,7 @@ def check_backward(cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, m
                 p.copy_(p.bfloat16().float())
         x, grad_out = x.bfloat16().float(), grad_out.bfloat16().float()
     block = ShardedBlock(cfg, layout, rank, check=True, device=device, mesh=mesh,
-                         train_options=train_options or ScheduleOptions(), qkv_grad=qkv_grad,
+                         train_options=train_options or ScheduleOptions(),
                          backward_form=backward_form or BackwardForm(), dp_group=dp_group).load(ref.state_dict())
     xl, gl = block.shard_input(x), block.shard_input(grad_out)
     rng_state = torch.cuda.get_rng_state()

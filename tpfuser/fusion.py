@@ -379,12 +379,12 @@ def _gelu_tanh_grad(fd, x):
 
 @dataclass(frozen=True)
 class BackwardForm:
-    """How the backward writes its products over the rows (b, s). The default is
-    the plain way; the other exists because nvFuser 0.2.36 fails to compile the
-    meshed backward (NOTES.md), to find a way it accepts. Both compute the same gradients."""
+    """How the backward writes the weight gradients, products over all rows (b, s).
+    The default merges b and s; the other exists in case nvFuser refuses that
+    reshape on some mesh (tools/backward_bisect.py). Both give the same gradients."""
 
-    merge_rows: bool = True        # the linears' gradients on [b*s, n] (a reshape that merges the dp-split b);
-                                   # else 3-D products, the weight's summed over b (b times its memory)
+    merge_rows: bool = True        # weight gradients as one product over [b*s] rows; else one
+                                   # per batch row, summed over b (b times the weight's memory)
 
 
 def _sum_rows(fd, t):
@@ -406,12 +406,11 @@ def _weight_grad(fd, g, a, b, s, form: BackwardForm):
     return fd.ops.matmul(fd.ops.permute(g2, dims=[1, 0]), a2)
 
 
-def _input_grad(fd, g, w, b, s, form):
-    """dL/da of y = a W^T: g W; g [b, s, n_out], w [n_out, n_in] -> [b, s, n_in]."""
-    if not form.merge_rows:
-        return fd.ops.matmul(g, w)
-    g2 = fd.ops.reshape(g, new_shape=[b * s, g.shape()[2]])
-    return fd.ops.reshape(fd.ops.matmul(g2, w), new_shape=[b, s, w.shape()[1]])
+def _input_grad(fd, g, w):
+    """dL/da of y = a W^T: g W; g [b, s, n_out], w [n_out, n_in] -> [b, s, n_in].
+    A 3-D product, no reshape: under sequence parallelism its tp partial sums are
+    reduce-scattered on s, which a [b*s] merge would put inside a merged axis."""
+    return fd.ops.matmul(g, w)
 
 
 def _layer_norm_backward(fd, g, xhat, rstd, weight, b, s, e, form):
@@ -435,11 +434,12 @@ def _ln_linear_backward(fd, pairs, x, ln, w, grads, cfg, form, intermediates):
     its saved stats. The linears' input gradient is a partial sum over tp: nvFuser all-reduces it."""
     b, s, e = cfg.batch, cfg.seq, cfg.n_embd
     xhat = _normalize(fd, x, w[f"{ln}.mean"], w[f"{ln}.rstd"], b, s, e)
-    ln_out = fd.ops.cast(_affine(fd, xhat, w[f"{ln}.weight"], w[f"{ln}.bias"], b, s, e), _NV_DTYPE[cfg.torch_dtype])
+    ln_out = intermediates[f"{ln}.out"] = fd.ops.cast(_affine(fd, xhat, w[f"{ln}.weight"], w[f"{ln}.bias"], b, s, e),
+                                                      _NV_DTYPE[cfg.torch_dtype])
     g_ln = None
     for g, weight, name in pairs:
         grads[name] = _weight_grad(fd, g, ln_out, b, s, form)
-        part = fd.ops.cast(_input_grad(fd, g, weight, b, s, form), DataType.Float)
+        part = fd.ops.cast(_input_grad(fd, g, weight), DataType.Float)
         g_ln = part if g_ln is None else fd.ops.add(g_ln, part)
     intermediates[f"g.{ln}.out"] = g_ln
     g_x, grads[f"{ln}.weight"], grads[f"{ln}.bias"] = _layer_norm_backward(
@@ -462,20 +462,11 @@ def _causal_attention_backward(fd, gy, q, k, v, probs, keep, dropped, cfg, p):
     return grad_q, grad_k, grad_v
 
 
-QKV_PARTS = ("q", "k", "v")
-QKV_GRAD = "cat"   # the runtime's default way to form c_attn's gradients (define_backward)
-QKV_GRAD_NAMES = ("attn.c_attn.weight", "attn.c_attn.bias")
+def backward_output_names() -> list[str]:
+    return ["grad_x"] + [f"grad.{name}" for name in PARAM_NAMES]
 
 
-def backward_output_names(qkv_grad: str = QKV_GRAD) -> list[str]:
-    names = []
-    for name in PARAM_NAMES:
-        split = qkv_grad == "split" and name in QKV_GRAD_NAMES
-        names += [f"{name}.{part}" for part in QKV_PARTS] if split else [name]
-    return ["grad_x"] + [f"grad.{name}" for name in names]
-
-
-def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None, qkv_grad: str = QKV_GRAD,
+def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None,
                     form: BackwardForm = BackwardForm()) -> BackwardFusion:
     """The block's backward on global shapes.
 
@@ -485,11 +476,8 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None, qkv_gr
     Outputs: grad_x, then the gradient of every parameter in PARAM_NAMES order
     (backward_output_names). `outputs`, a subset of those names, keeps only
     them: nvFuser then compiles only what they need (to bisect a failure).
-    qkv_grad="split" gives the c_attn gradients in q, k, v parts instead of
-    concatenating them (see below). `form`: BackwardForm.
+    `form`: BackwardForm.
     """
-    if qkv_grad not in ("cat", "split"):
-        raise ValueError(f"qkv_grad={qkv_grad!r}: must be 'cat' or 'split'")
     b, s, e, h, d = cfg.batch, cfg.seq, cfg.n_embd, cfg.n_head, cfg.head_dim
     dtype, p = _NV_DTYPE[cfg.torch_dtype], cfg.dropout
     bf = BackwardFusion(fd, cfg)
@@ -510,7 +498,7 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None, qkv_gr
     h_pre = fd.ops.cast(w["mlp_h"], DataType.Float)                        # (b, s, 4e)
     g_mlp = bf.intermediates["g.mlp.c_proj.out"] = fd.ops.cast(g_mlp, dtype)
     grads["mlp.c_proj.weight"] = _weight_grad(fd, g_mlp, fd.ops.cast(_gelu_tanh(fd, h_pre), dtype), b, s, form)
-    g_h = fd.ops.mul(fd.ops.cast(_input_grad(fd, g_mlp, w["mlp.c_proj.weight"], b, s, form), DataType.Float),
+    g_h = fd.ops.mul(fd.ops.cast(_input_grad(fd, g_mlp, w["mlp.c_proj.weight"]), DataType.Float),
                      _gelu_tanh_grad(fd, h_pre))                             # (b, s, 4e)
     grads["mlp.c_fc.bias"] = _sum_rows(fd, g_h)
     g_x1 = fd.ops.add(g, _ln_linear_backward(fd, [(fd.ops.cast(g_h, dtype), w["mlp.c_fc.weight"], "mlp.c_fc.weight")],
@@ -529,7 +517,7 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None, qkv_gr
         y = fd.ops.matmul(dropped, v)
     y_bse = fd.ops.reshape(fd.ops.permute(y, dims=[0, 2, 1, 3]), new_shape=[b, s, e])
     grads["attn.c_proj.weight"] = _weight_grad(fd, g_attn, y_bse, b, s, form)
-    g_y = _input_grad(fd, g_attn, w["attn.c_proj.weight"], b, s, form)          # (b, s, e), heads over tp
+    g_y = _input_grad(fd, g_attn, w["attn.c_proj.weight"])          # (b, s, e), heads over tp
     g_y = fd.ops.permute(fd.ops.reshape(g_y, new_shape=[b, s, h, d]), dims=[0, 2, 1, 3])  # (b, h, s, d)
     if cfg.torch_dtype == torch.bfloat16:
         g_q, g_k, g_v = fd.ops.sdpfa_bwd(
@@ -537,30 +525,16 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None, qkv_gr
             fd.define_scalar(True, dtype=DataType.Bool), w["sdpa_seed"], w["sdpa_offset"], None)
     else:
         g_q, g_k, g_v = _causal_attention_backward(fd, g_y, q, k, v, probs, keep, dropped, cfg, p)
-    if qkv_grad == "cat":
-        # Back to the fusion's qkv row order, [h, 3, d]: cat before the reshape,
-        # so that the concatenation is not along the tp-split dimension.
-        g_qkv = fd.ops.cat([fd.ops.permute(t, dims=[0, 2, 1, 3]) for t in (g_q, g_k, g_v)], dim=3, manual_padding=0)
-        g_qkv = fd.ops.reshape(g_qkv, new_shape=[b, s, 3 * e])                 # (b, s, 3e)
-        grads["attn.c_attn.bias"] = _sum_rows(fd, fd.ops.cast(g_qkv, DataType.Float))
-        pairs = [(fd.ops.cast(g_qkv, dtype), w["attn.c_attn.weight"], "attn.c_attn.weight")]
-    else:
-        # No concatenation (nvFuser's resize scheduler fails on it under a mesh:
-        # NOTES.md): q, k and v as three linears whose weights are row slices
-        # of c_attn; the gradients come out in three parts (QKV_PARTS) that the
-        # runtime interleaves.
-        weight = fd.ops.reshape(w["attn.c_attn.weight"], new_shape=[h, 3, d, e])
-        pairs = []
-        for i, (part, g_part) in enumerate(zip(QKV_PARTS, (g_q, g_k, g_v))):
-            g_part = fd.ops.reshape(fd.ops.permute(g_part, dims=[0, 2, 1, 3]), new_shape=[b, s, e])   # (b, s, h*d)
-            w_part = fd.ops.reshape(fd.ops.slice(weight, start_indices=[0, i, 0, 0], end_indices=[h, i + 1, d, e]),
-                                    new_shape=[e, e])
-            grads[f"attn.c_attn.bias.{part}"] = _sum_rows(fd, fd.ops.cast(g_part, DataType.Float))
-            pairs.append((fd.ops.cast(g_part, dtype), w_part, f"attn.c_attn.weight.{part}"))
+    # Back to the fusion's qkv row order, [h, 3, d]: cat before the reshape, so
+    # that the concatenation is not along the tp-split dimension (heads).
+    g_qkv = fd.ops.cat([fd.ops.permute(t, dims=[0, 2, 1, 3]) for t in (g_q, g_k, g_v)], dim=3, manual_padding=0)
+    g_qkv = fd.ops.reshape(g_qkv, new_shape=[b, s, 3 * e])                 # (b, s, 3e)
+    grads["attn.c_attn.bias"] = _sum_rows(fd, fd.ops.cast(g_qkv, DataType.Float))
+    pairs = [(fd.ops.cast(g_qkv, dtype), w["attn.c_attn.weight"], "attn.c_attn.weight")]
     g_x = _ln_linear_backward(fd, pairs, fd.ops.cast(w["x"], DataType.Float), "ln_1", w, grads, cfg, form, bf.intermediates)
 
     grads = {"grad_x": fd.ops.add(g_x1, g_x)} | {f"grad.{name}": t for name, t in grads.items()}
-    results = {name: grads[name] for name in backward_output_names(qkv_grad)}
+    results = {name: grads[name] for name in backward_output_names()}
     unknown = set(outputs or ()) - set(results)
     if unknown:
         raise ValueError(f"outputs {sorted(unknown)}: not among {list(results)}")
@@ -572,7 +546,7 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None, qkv_gr
 
 
 def build_backward(cfg: BlockConfig, layout: Layout | None = None,
-                   options: ScheduleOptions = ScheduleOptions(), outputs=None, qkv_grad: str = QKV_GRAD,
+                   options: ScheduleOptions = ScheduleOptions(), outputs=None,
                    form: BackwardForm = BackwardForm(), dp_rank: int = 0) -> BackwardFusion:
     """Define the backward and, when a layout is given, shard it on its mesh.
 
@@ -586,7 +560,7 @@ def build_backward(cfg: BlockConfig, layout: Layout | None = None,
         layout.check(cfg)
         cfg = cfg.replace(batch=cfg.batch // layout.dp)
     with FusionDefinition() as fd:
-        bf = define_backward(fd, cfg, outputs, qkv_grad, form)
+        bf = define_backward(fd, cfg, outputs, form)
         if layout is not None:
             schedule(bf, layout, options, row=dp_rank)
             bf.meshed = True

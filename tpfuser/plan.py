@@ -95,18 +95,18 @@ def saved_bytes_per_rank(cfg: BlockConfig, layout: Layout) -> int:
 GRAD_PLACEMENTS: dict[str, Placement] = {
     "grad_out": {0: DP}, "grad_x": {0: DP},
     **{f"grad.{name}": placement for name, placement in PARAM_PLACEMENTS.items()},
-    # the c_attn gradients in q, k, v parts (fusion.define_backward(qkv_grad="split"))
-    **{f"grad.attn.c_attn.{kind}.{part}": {0: TP} for kind in ("weight", "bias") for part in "qkv"},
 }
 
 # Intermediates of the backward that the schedule places too, where the
 # collectives go (as nvFuser's own sequence-parallel backward test does):
-# the gradients at the row-parallel linears' outputs, which their weight and
-# input gradients read whole (under SP: all-gathered), and the gradients at the
-# LayerNorms' outputs, the column-parallel linears' input gradients summed over
-# tp (all-reduced; under SP reduce-scattered).
+# the gradients at the row-parallel linears' outputs and the recomputed
+# LayerNorm outputs, which the linears' gradients read whole (under SP:
+# all-gathered), and the gradients at the LayerNorms' outputs, the
+# column-parallel linears' input gradients summed over tp (all-reduced; under
+# SP reduce-scattered).
 BACKWARD_INTERMEDIATES: dict[str, Placement] = {
     "g.mlp.c_proj.out": {0: DP}, "g.attn.c_proj.out": {0: DP},   # [b, s, e]
+    "ln_2.out": {0: DP}, "ln_1.out": {0: DP},                     # [b, s, e]
     "g.ln_2.out": {0: DP}, "g.ln_1.out": {0: DP},                 # [b, s, e] float
 }
 

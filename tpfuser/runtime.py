@@ -16,10 +16,10 @@ import torch
 
 from tpfuser.config import BlockConfig, Layout
 from tpfuser.dropout import STREAMS, stream_key
-from tpfuser.fusion import MASK_STARTS, QKV_GRAD, BackwardForm, QKV_PARTS, ScheduleOptions, build_backward, build_forward, rng_input_names, saved_names
+from tpfuser.fusion import MASK_STARTS, BackwardForm, ScheduleOptions, build_backward, build_forward, rng_input_names, saved_names
 from tpfuser.plan import PARAM_PLACEMENTS, local_shape, placements
 from tpfuser.reference import PARAM_NAMES, param_shapes
-from tpfuser.shard import fusion_params, local_slice, qkv_from_parts, rank_params, slice_starts
+from tpfuser.shard import fusion_params, local_slice, rank_params, slice_starts
 
 # The tensors each dropout stream masks (fusion.MASK_STARTS, plan.placements).
 MASKED = {"resid_attn": "resid_attn_keep", "resid_mlp": "resid_mlp_keep", "attn": "attn_keep"}
@@ -59,12 +59,12 @@ class ShardedBlock:
 
     def __init__(self, cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, check: bool = False,
                  device: Optional[torch.device] = None, mesh: bool = True,
-                 train_options: ScheduleOptions = ScheduleOptions(), qkv_grad: str = QKV_GRAD,
+                 train_options: ScheduleOptions = ScheduleOptions(),
                  backward_form: BackwardForm = BackwardForm(), dp_group=None):
         """mesh=False (1x1 only) builds the fusion without a device mesh: the
         same math, run by nvFuser's single-device executor (see NOTES.md).
         train_options: how the training forward and the backward are scheduled;
-        qkv_grad and backward_form: how the backward is written (fusion.define_backward);
+        backward_form: how the backward is written (fusion.BackwardForm);
         dp_group: the torch.distributed group of this rank's dp replicas (launch.dp_group),
         over which backward sums the parameter gradients; needed when dp > 1."""
         layout.check(cfg)
@@ -79,7 +79,7 @@ class ShardedBlock:
         self._params: Optional[list[torch.Tensor]] = None
         self._train_fusion = self._backward_fusion = None   # built on first use
         self.train_options = train_options
-        self.qkv_grad, self.backward_form = qkv_grad, backward_form
+        self.backward_form = backward_form
         self.dp_group = dp_group
 
     # -- parameters -------------------------------------------------------
@@ -179,12 +179,10 @@ class ShardedBlock:
         inputs = self.backward_inputs(grad_out, x, saved, params)
         if self._backward_fusion is None:
             self._backward_fusion = build_backward(self.cfg, self._mesh_layout, self.train_options,
-                                                   qkv_grad=self.qkv_grad, form=self.backward_form,
+                                                   form=self.backward_form,
                                                    dp_rank=self.dp_rank)
         named = dict(zip(self._backward_fusion.outputs, self._backward_fusion.execute(inputs)))
-        grads = [named[f"grad.{name}"] if f"grad.{name}" in named else
-                 qkv_from_parts([named[f"grad.{name}.{part}"] for part in QKV_PARTS], self.cfg.head_dim)
-                 for name in PARAM_NAMES]
+        grads = [named[f"grad.{name}"] for name in PARAM_NAMES]
         return named["grad_x"], self._sum_over_dp(grads)
 
     def _sum_over_dp(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -83,13 +83,6 @@ def qkv_blocked(t: torch.Tensor, n_head: int) -> torch.Tensor:
     return t.reshape(n_head, 3, d, *rest).transpose(0, 1).reshape(three_e, *rest).contiguous()
 
 
-def qkv_from_parts(parts: list[torch.Tensor], head_dim: int) -> torch.Tensor:
-    """Interleave the q, k, v parts of a c_attn gradient (each [h*d, ...], the
-    backward fusion's qkv_grad="split" outputs, for any number h of heads) into
-    the fusion's head-by-head order [h, 3, d] (rows [3*h*d, ...])."""
-    return torch.stack([t.unflatten(0, (-1, head_dim)) for t in parts], dim=1).flatten(0, 2)
-
-
 def fusion_params(state: dict[str, torch.Tensor], cfg: BlockConfig) -> dict[str, torch.Tensor]:
     """The global parameters in the fusion's convention, from a nanoGPT-style state_dict."""
     out = {name: state[name] for name in PARAM_NAMES}
