@@ -18,11 +18,19 @@ ONLY=${ONLY:-tests train bench bisect dp tp gpt3}
 TESTS=${TESTS:-tests} K=${K:-}
 export PYTHONPATH=$PWD:${PYTHONPATH:-} NVIDIA_TF32_OVERRIDE=0 PYTHONUNBUFFERED=1
 export TPFUSER_GPU_RECORD=$OUT/gpu_record.jsonl   # the figures behind the GPU tests (tests/conftest.py)
-T=timeout
+# Every step's time bound is cut to what is left before SUITE_END_S (s), so
+# that the summary and the archive are always written within a device call.
+END=$((SECONDS + ${SUITE_END_S:-100000}))
+T() {   # T bound [timeout's options] -- command...
+  local s=$1 opts=(); shift
+  while [[ $1 != -- ]]; do opts+=("$1"); shift; done; shift
+  local left=$((END - SECONDS)); (( left < s )) && s=$left; (( s < 1 )) && s=1
+  timeout "${opts[@]}" "$s" "$@"
+}
 
 pytest_gpu() {  # name, files, -k expression
   # SIGINT, not SIGTERM, at the bound: pytest then still writes its report and summary.
-  $T -s INT ${TESTS_S:-400} python3 -m pytest -v -m gpu $2 ${3:+-k "$3"} -p no:cacheprovider --junitxml="$OUT/gpu_$1.xml" 2>&1 \
+  T ${TESTS_S:-400} -s INT -- python3 -m pytest -v -m gpu $2 ${3:+-k "$3"} -p no:cacheprovider --junitxml="$OUT/gpu_$1.xml" 2>&1 \
     | tee "$OUT/$1.log" | grep -E "PASSED|FAILED|XFAIL|XPASS|ERROR|SKIPPED|passed|failed" | cut -c1-200 | tail -40
 }
 step_tests() { echo "== GPU tests (1x1): $TESTS ${K:+-k $K}"; pytest_gpu tests "$TESTS" "$K"; }
@@ -31,16 +39,16 @@ step_bwd() { echo "== GPU tests (1x1): the backward without a mesh"; pytest_gpu 
 step_bwdmesh() { echo "== GPU tests (1x1): the backward on a mesh"; pytest_gpu tests_bwdmesh tests/test_gpu_backward.py "${BWD_K:+($BWD_K) and }mesh"; }
 step_train() {
   echo "== benchmark: nanogpt forward+backward (a training step), with peak and saved memory"
-  $T 240 python3 -m tpfuser.bench --preset nanogpt --train --json "$OUT/bench_nanogpt_train.json" --iters ${ITERS:-30} 2>&1 | tee "$OUT/train.log"
+  T 240 -- python3 -m tpfuser.bench --preset nanogpt --train --json "$OUT/bench_nanogpt_train.json" --iters ${ITERS:-30} 2>&1 | tee "$OUT/train.log"
 }
 step_bench() {
   echo "== benchmark: nanogpt forward, nvFuser (1x1 mesh, and no mesh) vs eager vs torch.compile"
-  $T 300 python3 -m tpfuser.bench --preset nanogpt --json "$OUT/bench_nanogpt.json" --iters $((${ITERS:-30} * 3))
+  T 300 -- python3 -m tpfuser.bench --preset nanogpt --json "$OUT/bench_nanogpt.json" --iters $((${ITERS:-30} * 3))
 }
 step_bisect() {
   echo "== the meshed backward (1x1) in each form at once; then each output alone of the failing ones"
   for form in ${BISECT_FORMS:-bf16 fp32 bf16:3d}; do
-    $T $((${BISECT_S:-120} + 60)) python3 tools/backward_bisect.py ${BISECT_S:-120} $form ${BISECT_EACH:+--each} \
+    T $((${BISECT_S:-120} + 60)) -- python3 tools/backward_bisect.py ${BISECT_S:-120} $form ${BISECT_EACH:+--each} \
       > "$OUT/bisect_$form.log" 2>&1 &
   done
   wait
@@ -48,27 +56,27 @@ step_bisect() {
 }
 step_dpbwd() {
   echo "== two ranks on one GPU, 2x1 mesh: training forward and backward, gradients against the whole batch's"
-  $T 240 torchrun --standalone --nproc-per-node 2 tools/two_ranks.py dpbwd 2>&1 | grep -E "^rank|Error" | cut -c1-600
+  T 240 -- torchrun --standalone --nproc-per-node 2 tools/two_ranks.py dpbwd 2>&1 | grep -E "^rank|Error" | cut -c1-600
 }
 step_dp() {
   echo "== two ranks on one GPU, 2x1 mesh (data parallel, runs to the end)"
-  $T 240 torchrun --standalone --nproc-per-node 2 tools/two_ranks.py dp 2>&1 | grep -E "^rank|Error" | cut -c1-400
+  T 240 -- torchrun --standalone --nproc-per-node 2 tools/two_ranks.py dp 2>&1 | grep -E "^rank|Error" | cut -c1-400
 }
 step_tp() {
   echo "== two ranks on one GPU, 1x2 mesh: the collectives nvFuser posts before NCCL refuses"
-  NVFUSER_DUMP=communication $T 120 torchrun --standalone --nproc-per-node 2 tools/two_ranks.py tp > "$OUT/tp_dump.log" 2>&1
+  NVFUSER_DUMP=communication T 120 -- torchrun --standalone --nproc-per-node 2 tools/two_ranks.py tp > "$OUT/tp_dump.log" 2>&1
   grep -E "^rank" "$OUT/tp_dump.log" | cut -c1-300
   python3 tools/collectives.py "$OUT/tp_dump.log" tiny 1 2 fp32 > "$OUT/tp_collectives.json"
   grep -m3 -i "communication" "$OUT/tp_dump.log" | cut -c1-400
   echo "== the same with sequence parallelism"
-  NVFUSER_DUMP=communication $T 120 torchrun --standalone --nproc-per-node 2 tools/two_ranks.py sp > "$OUT/sp_dump.log" 2>&1
+  NVFUSER_DUMP=communication T 120 -- torchrun --standalone --nproc-per-node 2 tools/two_ranks.py sp > "$OUT/sp_dump.log" 2>&1
   python3 tools/collectives.py "$OUT/sp_dump.log" tiny 1 2 fp32 sp > "$OUT/sp_collectives.json"
   grep -m3 -i "communication" "$OUT/sp_dump.log" | cut -c1-400
 }
 step_tpbwd() {
   for which in tpbwd spbwd; do
     echo "== two ranks on one GPU, 1x2 mesh, the backward alone ($which): its first collective"
-    NVFUSER_DUMP=communication $T 150 torchrun --standalone --nproc-per-node 2 tools/two_ranks.py $which > "$OUT/${which}_dump.log" 2>&1
+    NVFUSER_DUMP=communication T 150 -- torchrun --standalone --nproc-per-node 2 tools/two_ranks.py $which > "$OUT/${which}_dump.log" 2>&1
     grep -E "^rank" "$OUT/${which}_dump.log" | cut -c1-300
     python3 tools/collectives.py "$OUT/${which}_dump.log" tiny 1 2 bf16 ${which%bwd} bwd > "$OUT/${which}_collectives.json"
     grep -m2 -i "posting communication" "$OUT/${which}_dump.log" | cut -c1-400
@@ -76,7 +84,7 @@ step_tpbwd() {
 }
 step_gpt3() {
   echo "== benchmark: gpt3 forward at 1x1 (fewer samples: ~11 ms a call)"
-  $T 300 python3 -m tpfuser.bench --preset gpt3 --json "$OUT/bench_gpt3.json" --iters $(((${ITERS:-30} + 1) / 2))
+  T 300 -- python3 -m tpfuser.bench --preset gpt3 --json "$OUT/bench_gpt3.json" --iters $(((${ITERS:-30} + 1) / 2))
 }
 
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("localhost", 0)); print(s.getsockname()[1])'; }
