@@ -89,9 +89,10 @@ def saved_bytes_per_rank(cfg: BlockConfig, layout: Layout) -> int:
 
 # Backward: the upstream gradient and the input gradient are laid out like the
 # output and the input; every parameter gradient like its parameter. Parameter
-# gradients are replicated over dp, so nvFuser all-reduces them over dp inside
-# the backward fusion; the input gradient's tp partial sums (from the two
-# column-parallel linears) are all-reduced over tp, where Megatron reduces them.
+# gradients are replicated over dp: the backward runs on each dp rank's tp row
+# and the runtime sums them over dp after it (fusion.build_backward says why);
+# the input gradient's tp partial sums (from the two column-parallel linears)
+# are all-reduced over tp inside it, where Megatron reduces them.
 GRAD_PLACEMENTS: dict[str, Placement] = {
     "grad_out": {0: DP}, "grad_x": {0: DP},
     **{f"grad.{name}": placement for name, placement in PARAM_PLACEMENTS.items()},

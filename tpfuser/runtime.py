@@ -254,8 +254,8 @@ class _BlockFunction(torch.autograd.Function):
 class TPBlock(torch.nn.Module):
     """The sharded block as an nn.Module: its parameters are this rank's shards
     (PARAM_NAMES order, c_attn rows head by head), so `loss.backward()` leaves
-    each rank its gradient shards. Parameter gradients are summed over dp inside
-    the backward fusion (as for a loss summed over the global batch).
+    each rank its gradient shards. Parameter gradients are summed over dp after
+    the backward fusion, over dp_group (as for a loss summed over the global batch).
 
     Each training-mode call draws fresh dropout masks: the rng offset is a
     step counter, the seed fixed at construction."""
