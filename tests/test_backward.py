@@ -94,7 +94,7 @@ def test_backward_builds_and_is_sharded_as_planned(layout, dtype):
 
 def test_backward_runs_on_the_ranks_tp_row():
     """The backward of dp rank r: a 1-D mesh of that row's tp devices, b/dp rows, no dp split."""
-    from tpfuser.fusion import ScheduleOptions, build_backward, loop_sharding
+    from tpfuser.fusion import build_backward, loop_sharding
     cfg = preset("tiny")
     row1 = build_backward(cfg, Layout(2, 2), dp_rank=1)
     mesh, axes = loop_sharding(row1.inputs["qkv"])
@@ -102,9 +102,6 @@ def test_backward_runs_on_the_ranks_tp_row():
     assert loop_sharding(row1.outputs["grad.mlp.c_fc.weight"]) == ("DeviceMesh{2 3}", [("mesh_x", 2), ("", 128), ("", 64)])
     row0 = build_backward(cfg, Layout(2, 2), dp_rank=0)   # kept: its TensorViews die with it
     assert loop_sharding(row0.inputs["x"])[0] == "DeviceMesh{0 1}"
-    inputs_only = build_backward(cfg, Layout(2, 2), ScheduleOptions(outputs=False))
-    assert loop_sharding(inputs_only.outputs["grad_x"])[0] == ""          # left to nvFuser's propagation
-    assert loop_sharding(inputs_only.inputs["x"])[1][0] == ("", 2)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])

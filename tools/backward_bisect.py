@@ -1,15 +1,15 @@
 """Which outputs of the meshed backward does nvFuser fail to compile, and why?
 
-One GPU, 1x1 mesh, `tiny`, dropout 0.1. The whole backward in each form
-asked (dtype, BackwardForm), then, with --each, each output alone
+One GPU, 1x1 mesh, `tiny`, dropout 0.1. The whole backward in each dtype
+asked, then, with --each, each output alone
 (define_backward(outputs=[name]): nvFuser compiles only what that output
 needs), built, scheduled on the mesh and run on the training forward's saved
 tensors. Parallel compilation is off, so an error is the failing segment's
 own. Prints a line per case.
 
-    source .nvf/setup.sh; PYTHONPATH=$PWD python3 tools/backward_bisect.py [seconds] [bf16,fp32:3d,...] [--each]
+    source .nvf/setup.sh; PYTHONPATH=$PWD python3 tools/backward_bisect.py [seconds] [bf16,fp32] [--each]
 
-Writes $OUT/bisect_<forms>.json; several can run at once (gpu_suite's bisect step does).
+Writes $OUT/bisect_<dtypes>.json; several can run at once (gpu_suite's bisect step does).
 """
 import json
 import os
@@ -21,7 +21,7 @@ os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
 import torch  # noqa: E402
 
 from tpfuser.config import Layout, preset  # noqa: E402
-from tpfuser.fusion import BackwardForm, backward_output_names, build_backward  # noqa: E402
+from tpfuser.fusion import backward_output_names, build_backward  # noqa: E402
 from tpfuser.reference import make_block, make_input  # noqa: E402
 from tpfuser.runtime import ShardedBlock  # noqa: E402
 
@@ -42,44 +42,41 @@ def saved_inputs(cfg, layout):
     return block.backward_inputs(g, x, saved)
 
 
-def main(budget_s: float, forms: str, each: bool) -> None:
-    """forms: comma-separated dtype[:rows], rows "merge" (the default
-    BackwardForm) or "3d" (merge_rows=False). Each form's whole backward is run;
-    with each=True, each output alone of the forms that fail."""
+def main(budget_s: float, dtypes: str, each: bool) -> None:
+    """dtypes: comma-separated. Each one's whole backward is run; with
+    each=True, then each output alone of those that fail."""
     deadline = time.time() + budget_s
-    tag = forms.replace(":", "-").replace(",", "_")
+    tag = dtypes.replace(",", "_")
     rows, path = [], os.path.join(os.environ.get("OUT", "."), f"bisect_{tag}.json")
     layout, inputs = Layout(1, 1), {}
 
-    def run(dtype, rows_form, outputs):
+    def run(dtype, outputs):
         cfg = preset("tiny", dtype=dtype)
         if dtype not in inputs:
             inputs[dtype] = saved_inputs(cfg, layout)
-        form = BackwardForm(merge_rows=rows_form == "merge")
-        row = {"dtype": dtype, "dropout": cfg.dropout, "rows": rows_form, "outputs": outputs or "all"}
+        row = {"dtype": dtype, "dropout": cfg.dropout, "outputs": outputs or "all"}
         start = time.perf_counter()
         try:
-            build_backward(cfg, layout, outputs=outputs, form=form).execute(inputs[dtype])
+            build_backward(cfg, layout, outputs=outputs).execute(inputs[dtype])
             row["ok"] = True
         except Exception as e:  # nvFuser's compile asserts
             row["ok"], row["error"] = False, where_it_failed(e)
         row["seconds"] = round(time.perf_counter() - start, 1)
         rows.append(row)
         what = ",".join(outputs) if outputs else "all outputs"
-        print(f"bisect {dtype} rows={rows_form} {what:<28} {row['seconds']:>5}s  "
+        print(f"bisect {dtype} {what:<28} {row['seconds']:>5}s  "
               f"{'ok' if row['ok'] else 'FAIL ' + row['error'][:300]}", flush=True)
         with open(path, "w") as f:
             json.dump(rows, f, indent=1)
         return row["ok"]
 
-    cases = [(f.split(":") + ["merge"])[:2] for f in forms.split(",")]
-    failed = [case for case in cases if not run(*case, None)]
-    for dtype, rows_form in failed if each else []:
+    failed = [dtype for dtype in dtypes.split(",") if not run(dtype, None)]
+    for dtype in failed if each else []:
         for name in backward_output_names():
             if time.time() > deadline:
                 print("stopped: time budget spent", flush=True)
                 return
-            run(dtype, rows_form, [name])
+            run(dtype, [name])
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@
 #   tests  pytest -m gpu on TESTS (default tests/), narrowed by K, bound TESTS_S (s)
 #   fwd, bwd, bwdmesh   the forward tests; the backward's without and with a mesh (BWD_K narrows)
 #   train, bench, gpt3  benchmarks: nanogpt fwd+bwd, nanogpt fwd, gpt3 fwd (ITERS samples, 30)
-#   bisect  the meshed backward in each of BISECT_FORMS ("bf16 bf16:3d"), bound BISECT_S,
-#           BISECT_EACH=1 then each output alone of a failing form
+#   bisect  the meshed backward in each of BISECT_DTYPES ("bf16 fp32") at once, bound BISECT_S,
+#           BISECT_EACH=1 then each output alone of a failing one
 #   dp, dpbwd, tp, tpbwd  two ranks on the one GPU (tools/two_ranks.py)
 # SUITE_S: no step starts after this many seconds. At most 8 files come back from
 # the device: the summary, and everything else in run.tar.gz.
@@ -46,10 +46,10 @@ step_bench() {
   T 300 -- python3 -m tpfuser.bench --preset nanogpt --json "$OUT/bench_nanogpt.json" --iters $((${ITERS:-30} * 3))
 }
 step_bisect() {
-  echo "== the meshed backward (1x1) in each form at once; then each output alone of the failing ones"
-  for form in ${BISECT_FORMS:-bf16 fp32 bf16:3d}; do
-    T $((${BISECT_S:-120} + 60)) -- python3 tools/backward_bisect.py ${BISECT_S:-120} $form ${BISECT_EACH:+--each} \
-      > "$OUT/bisect_$form.log" 2>&1 &
+  echo "== the meshed backward (1x1) in each dtype at once; then each output alone of the failing ones"
+  for dtype in ${BISECT_DTYPES:-bf16 fp32}; do
+    T $((${BISECT_S:-120} + 60)) -- python3 tools/backward_bisect.py ${BISECT_S:-120} $dtype ${BISECT_EACH:+--each} \
+      > "$OUT/bisect_$dtype.log" 2>&1 &
   done
   wait
   cat "$OUT"/bisect_*.log | grep -E "^(bisect|stopped)" | cut -c1-400

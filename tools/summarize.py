@@ -87,11 +87,11 @@ if cases:
     summary["backward_bisect"] = cases
     for r in cases:
         if r["outputs"] == "all":
-            rows.append((f"meshed backward tiny {r['dtype']} rows={r.get('rows')}",
+            rows.append((f"meshed backward tiny {r['dtype']}",
                          "compiles and runs" if r["ok"] else f"FAILS: {r['error'][:150]}"))
     singles = [r for r in cases if r["outputs"] != "all"]
     if singles:
-        bad = [f"{r['dtype']}/{r.get('rows')}:{r['outputs'][0]}" for r in singles if not r["ok"]]
+        bad = [f"{r['dtype']}:{r['outputs'][0]}" for r in singles if not r["ok"]]
         rows.append(("meshed backward, one output each", f"{len(singles) - len(bad)}/{len(singles)} ok; failing: {', '.join(bad)}"))
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 width = max(len(k) for k, _ in rows) if rows else 10

@@ -145,13 +145,12 @@ GRAD_TOLERANCES = {"bf16": 2e-2, "fp32": 1e-5}
 
 
 def check_backward(cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, mesh: bool = True,
-                   train_options=None, rng_seed: int = 1234, rng_offset: int = 5,
-                   backward_form=None, dp_group=None) -> dict:
+                   rng_seed: int = 1234, rng_offset: int = 5, dp_group=None) -> dict:
     """This rank's gradients (input and every parameter shard) against the
     matching slices of reference autograd's, with the fusion's dropout masks.
     Returns {tensor: rel L2 error}. Parameter gradients are summed over dp by
     the plan, so on a dp x 1 mesh each rank's must equal the whole batch's."""
-    from tpfuser.fusion import BackwardForm, ScheduleOptions, saved_names
+    from tpfuser.fusion import saved_names
     from tpfuser.reference import PARAM_NAMES
     from tpfuser.shard import qkv_heads_interleaved
     device = torch.device("cuda", torch.cuda.current_device())
@@ -163,8 +162,7 @@ def check_backward(cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, m
                 p.copy_(p.bfloat16().float())
         x, grad_out = x.bfloat16().float(), grad_out.bfloat16().float()
     block = ShardedBlock(cfg, layout, rank, check=True, device=device, mesh=mesh,
-                         train_options=train_options or ScheduleOptions(),
-                         backward_form=backward_form or BackwardForm(), dp_group=dp_group).load(ref.state_dict())
+                         dp_group=dp_group).load(ref.state_dict())
     xl, gl = block.shard_input(x), block.shard_input(grad_out)
     rng_state = torch.cuda.get_rng_state()
     named, saved = block.forward_train(xl, rng_seed, rng_offset)

@@ -268,15 +268,6 @@ def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, 
     return ff
 
 
-@dataclass(frozen=True)
-class ScheduleOptions:
-    """How the schedule applies the plan. The default is what the forward was
-    validated with; the other exists because nvFuser's own backward test, which
-    compiles, schedules only the inputs."""
-
-    outputs: bool = True     # also split the outputs explicitly (else: nvFuser's propagation decides)
-
-
 def make_mesh(layout: Layout, row: int | None = None):
     """The dp x tp mesh; with `row`, that dp rank's 1-D mesh of tp devices."""
     if row is not None:
@@ -292,7 +283,7 @@ def _apply_placement(tv, placement, layout):
         tv.axis(dim).parallelize(_MESH_AXIS[placement[dim]])
 
 
-def schedule(ff, layout: Layout, options: ScheduleOptions = ScheduleOptions(), row: int | None = None) -> None:
+def schedule(ff, layout: Layout, row: int | None = None) -> None:
     """Put every input (and output, and the backward's planned intermediates) on the
     dp x tp mesh and split it as plan.placements(layout) says.
 
@@ -302,8 +293,7 @@ def schedule(ff, layout: Layout, options: ScheduleOptions = ScheduleOptions(), r
     mesh = make_mesh(layout, row)
     where = placements(layout)
     flat = row is not None
-    named = list(ff.inputs.items()) + (list(ff.outputs.items()) if options.outputs else [])
-    named += list(getattr(ff, "intermediates", {}).items()) if options.outputs else []
+    named = [*ff.inputs.items(), *ff.outputs.items(), *getattr(ff, "intermediates", {}).items()]
     for name, tv in named:
         tv.set_device_mesh(mesh)
         placement = where[name]
@@ -313,13 +303,13 @@ def schedule(ff, layout: Layout, options: ScheduleOptions = ScheduleOptions(), r
 
 
 def build_forward(cfg: BlockConfig, layout: Layout | None = None, check: bool = False,
-                  train: bool = False, options: ScheduleOptions = ScheduleOptions()) -> ForwardFusion:
+                  train: bool = False) -> ForwardFusion:
     """Define the forward and, when a layout is given, shard it on its mesh."""
     with FusionDefinition() as fd:
         ff = define_forward(fd, cfg, check, train)
         if layout is not None:
             layout.check(cfg)
-            schedule(ff, layout, options)
+            schedule(ff, layout)
     return ff
 
 
@@ -377,16 +367,6 @@ def _gelu_tanh_grad(fd, x):
     return fd.ops.add(fd.ops.mul(fd.ops.add(t, 1.0), 0.5), fd.ops.mul(fd.ops.mul(fd.ops.mul(x, 0.5), sech2), dinner))
 
 
-@dataclass(frozen=True)
-class BackwardForm:
-    """How the backward writes the weight gradients, products over all rows (b, s).
-    The default merges b and s; the other exists in case nvFuser refuses that
-    reshape on some mesh (tools/backward_bisect.py). Both give the same gradients."""
-
-    merge_rows: bool = True        # weight gradients as one product over [b*s] rows; else one
-                                   # per batch row, summed over b (b times the weight's memory)
-
-
 def _sum_rows(fd, t):
     """Sum over batch and sequence: [b, s, n] -> [n], one dimension at a time.
     Over dp (b) and under sequence parallelism (s) these are cross-rank sums, and
@@ -396,11 +376,10 @@ def _sum_rows(fd, t):
                       dtype=DataType.Null)
 
 
-def _weight_grad(fd, g, a, b, s, form: BackwardForm):
-    """dL/dW of y = a W^T: g^T a over all rows; g [b, s, n_out], a [b, s, n_in] -> [n_out, n_in]."""
-    if not form.merge_rows:
-        per_row = fd.ops.matmul(fd.ops.permute(g, dims=[0, 2, 1]), a)       # (b, n_out, n_in)
-        return fd.ops.sum(fd.ops.cast(per_row, DataType.Float), dims=[0], keepdim=False, dtype=DataType.Null)
+def _weight_grad(fd, g, a, b, s):
+    """dL/dW of y = a W^T: g^T a over all rows; g [b, s, n_out], a [b, s, n_in] -> [n_out, n_in].
+    Under sequence parallelism g and a are whole (all-gathered) here: the merge of
+    b and s never merges a device-split axis (plan.BACKWARD_INTERMEDIATES)."""
     g2 = fd.ops.reshape(g, new_shape=[b * s, g.shape()[2]])   # (bs, n_out)
     a2 = fd.ops.reshape(a, new_shape=[b * s, a.shape()[2]])   # (bs, n_in)
     return fd.ops.matmul(fd.ops.permute(g2, dims=[1, 0]), a2)
@@ -413,7 +392,7 @@ def _input_grad(fd, g, w):
     return fd.ops.matmul(g, w)
 
 
-def _layer_norm_backward(fd, g, xhat, rstd, weight, b, s, e, form):
+def _layer_norm_backward(fd, g, xhat, rstd, weight, b, s, e):
     """g: float [b, s, e], the gradient of the LayerNorm's output; xhat its normalized
     input. Returns (grad of the input, of the weight, of the bias), float."""
     grad_weight, grad_bias = _sum_rows(fd, fd.ops.mul(g, xhat)), _sum_rows(fd, g)
@@ -426,7 +405,7 @@ def _layer_norm_backward(fd, g, xhat, rstd, weight, b, s, e, form):
     return fd.ops.mul(centered, _bcast_rows(fd, rstd, b, s, e)), grad_weight, grad_bias
 
 
-def _ln_linear_backward(fd, pairs, x, ln, w, grads, cfg, form, intermediates):
+def _ln_linear_backward(fd, pairs, x, ln, w, grads, cfg, intermediates):
     """Backward of column-parallel linears that share one LayerNorm input:
     pairs are (output gradient in the block dtype, weight, name of the weight's
     gradient); fills those gradients and the LayerNorm's, and returns the
@@ -438,12 +417,12 @@ def _ln_linear_backward(fd, pairs, x, ln, w, grads, cfg, form, intermediates):
                                                       _NV_DTYPE[cfg.torch_dtype])
     g_ln = None
     for g, weight, name in pairs:
-        grads[name] = _weight_grad(fd, g, ln_out, b, s, form)
+        grads[name] = _weight_grad(fd, g, ln_out, b, s)
         part = fd.ops.cast(_input_grad(fd, g, weight), DataType.Float)
         g_ln = part if g_ln is None else fd.ops.add(g_ln, part)
     intermediates[f"g.{ln}.out"] = g_ln
     g_x, grads[f"{ln}.weight"], grads[f"{ln}.bias"] = _layer_norm_backward(
-        fd, g_ln, xhat, w[f"{ln}.rstd"], w[f"{ln}.weight"], b, s, e, form)
+        fd, g_ln, xhat, w[f"{ln}.rstd"], w[f"{ln}.weight"], b, s, e)
     return g_x
 
 
@@ -466,8 +445,7 @@ def backward_output_names() -> list[str]:
     return ["grad_x"] + [f"grad.{name}" for name in PARAM_NAMES]
 
 
-def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None,
-                    form: BackwardForm = BackwardForm()) -> BackwardFusion:
+def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None) -> BackwardFusion:
     """The block's backward on global shapes.
 
     Inputs: grad_out [b, s, e], x, the parameters (PARAM_NAMES order), the saved
@@ -476,7 +454,6 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None,
     Outputs: grad_x, then the gradient of every parameter in PARAM_NAMES order
     (backward_output_names). `outputs`, a subset of those names, keeps only
     them: nvFuser then compiles only what they need (to bisect a failure).
-    `form`: BackwardForm.
     """
     b, s, e, h, d = cfg.batch, cfg.seq, cfg.n_embd, cfg.n_head, cfg.head_dim
     dtype, p = _NV_DTYPE[cfg.torch_dtype], cfg.dropout
@@ -497,12 +474,12 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None,
     grads["mlp.c_proj.bias"] = _sum_rows(fd, g_mlp)
     h_pre = fd.ops.cast(w["mlp_h"], DataType.Float)                        # (b, s, 4e)
     g_mlp = bf.intermediates["g.mlp.c_proj.out"] = fd.ops.cast(g_mlp, dtype)
-    grads["mlp.c_proj.weight"] = _weight_grad(fd, g_mlp, fd.ops.cast(_gelu_tanh(fd, h_pre), dtype), b, s, form)
+    grads["mlp.c_proj.weight"] = _weight_grad(fd, g_mlp, fd.ops.cast(_gelu_tanh(fd, h_pre), dtype), b, s)
     g_h = fd.ops.mul(fd.ops.cast(_input_grad(fd, g_mlp, w["mlp.c_proj.weight"]), DataType.Float),
                      _gelu_tanh_grad(fd, h_pre))                             # (b, s, 4e)
     grads["mlp.c_fc.bias"] = _sum_rows(fd, g_h)
     g_x1 = fd.ops.add(g, _ln_linear_backward(fd, [(fd.ops.cast(g_h, dtype), w["mlp.c_fc.weight"], "mlp.c_fc.weight")],
-                                             w["x1"], "ln_2", w, grads, cfg, form, bf.intermediates))
+                                             w["x1"], "ln_2", w, grads, cfg, bf.intermediates))
 
     # Attention branch: x1 = x + dropout(attn(ln_1(x)) W_proj^T + b_proj)
     g_attn = _dropout(fd, g_x1, w["resid_attn_keep"], p) if p > 0 else g_x1
@@ -516,7 +493,7 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None,
         probs, dropped = _dropped_probs(fd, q, k, cfg, p, keep)
         y = fd.ops.matmul(dropped, v)
     y_bse = fd.ops.reshape(fd.ops.permute(y, dims=[0, 2, 1, 3]), new_shape=[b, s, e])
-    grads["attn.c_proj.weight"] = _weight_grad(fd, g_attn, y_bse, b, s, form)
+    grads["attn.c_proj.weight"] = _weight_grad(fd, g_attn, y_bse, b, s)
     g_y = _input_grad(fd, g_attn, w["attn.c_proj.weight"])          # (b, s, e), heads over tp
     g_y = fd.ops.permute(fd.ops.reshape(g_y, new_shape=[b, s, h, d]), dims=[0, 2, 1, 3])  # (b, h, s, d)
     if cfg.torch_dtype == torch.bfloat16:
@@ -531,7 +508,7 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None,
     g_qkv = fd.ops.reshape(g_qkv, new_shape=[b, s, 3 * e])                 # (b, s, 3e)
     grads["attn.c_attn.bias"] = _sum_rows(fd, fd.ops.cast(g_qkv, DataType.Float))
     pairs = [(fd.ops.cast(g_qkv, dtype), w["attn.c_attn.weight"], "attn.c_attn.weight")]
-    g_x = _ln_linear_backward(fd, pairs, fd.ops.cast(w["x"], DataType.Float), "ln_1", w, grads, cfg, form, bf.intermediates)
+    g_x = _ln_linear_backward(fd, pairs, fd.ops.cast(w["x"], DataType.Float), "ln_1", w, grads, cfg, bf.intermediates)
 
     grads = {"grad_x": fd.ops.add(g_x1, g_x)} | {f"grad.{name}": t for name, t in grads.items()}
     results = {name: grads[name] for name in backward_output_names()}
@@ -545,9 +522,7 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None,
     return bf
 
 
-def build_backward(cfg: BlockConfig, layout: Layout | None = None,
-                   options: ScheduleOptions = ScheduleOptions(), outputs=None,
-                   form: BackwardForm = BackwardForm(), dp_rank: int = 0) -> BackwardFusion:
+def build_backward(cfg: BlockConfig, layout: Layout | None = None, outputs=None, dp_rank: int = 0) -> BackwardFusion:
     """Define the backward and, when a layout is given, shard it on its mesh.
 
     The backward of dp rank `dp_rank` runs on that rank's tp devices alone, on
@@ -560,8 +535,8 @@ def build_backward(cfg: BlockConfig, layout: Layout | None = None,
         layout.check(cfg)
         cfg = cfg.replace(batch=cfg.batch // layout.dp)
     with FusionDefinition() as fd:
-        bf = define_backward(fd, cfg, outputs, form)
+        bf = define_backward(fd, cfg, outputs)
         if layout is not None:
-            schedule(bf, layout, options, row=dp_rank)
+            schedule(bf, layout, row=dp_rank)
             bf.meshed = True
     return bf

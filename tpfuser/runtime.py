@@ -16,7 +16,7 @@ import torch
 
 from tpfuser.config import BlockConfig, Layout
 from tpfuser.dropout import STREAMS, stream_key
-from tpfuser.fusion import MASK_STARTS, BackwardForm, ScheduleOptions, build_backward, build_forward, rng_input_names, saved_names
+from tpfuser.fusion import MASK_STARTS, build_backward, build_forward, rng_input_names, saved_names
 from tpfuser.plan import PARAM_PLACEMENTS, local_shape, placements
 from tpfuser.reference import PARAM_NAMES, param_shapes
 from tpfuser.shard import fusion_params, local_slice, rank_params, slice_starts
@@ -59,12 +59,9 @@ class ShardedBlock:
 
     def __init__(self, cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, check: bool = False,
                  device: Optional[torch.device] = None, mesh: bool = True,
-                 train_options: ScheduleOptions = ScheduleOptions(),
-                 backward_form: BackwardForm = BackwardForm(), dp_group=None):
+                 dp_group=None):
         """mesh=False (1x1 only) builds the fusion without a device mesh: the
         same math, run by nvFuser's single-device executor (see NOTES.md).
-        train_options: how the training forward and the backward are scheduled;
-        backward_form: how the backward is written (fusion.BackwardForm);
         dp_group: the torch.distributed group of this rank's dp replicas (launch.dp_group),
         over which backward sums the parameter gradients; needed when dp > 1."""
         layout.check(cfg)
@@ -78,8 +75,6 @@ class ShardedBlock:
         self.output_names = list(self.fusion.outputs)
         self._params: Optional[list[torch.Tensor]] = None
         self._train_fusion = self._backward_fusion = None   # built on first use
-        self.train_options = train_options
-        self.backward_form = backward_form
         self.dp_group = dp_group
 
     # -- parameters -------------------------------------------------------
@@ -163,7 +158,7 @@ class ShardedBlock:
         self._validate("x", x, self.input_shape())
         if self._train_fusion is None:
             self._train_fusion = build_forward(self.cfg, self._mesh_layout, check=self.check, train=True,
-                                               options=self.train_options)
+)
         outs = self._train_fusion.fd.execute([x.contiguous(), *params, *self._rng_inputs(rng_seed, rng_offset)])
         named = dict(zip(self._train_fusion.outputs, outs))
         saved = [named.pop(name) for name in saved_names(self.cfg)]
@@ -178,9 +173,7 @@ class ShardedBlock:
                              f"fusion; pass ShardedBlock(dp_group=launch.dp_group(layout, rank))")
         inputs = self.backward_inputs(grad_out, x, saved, params)
         if self._backward_fusion is None:
-            self._backward_fusion = build_backward(self.cfg, self._mesh_layout, self.train_options,
-                                                   form=self.backward_form,
-                                                   dp_rank=self.dp_rank)
+            self._backward_fusion = build_backward(self.cfg, self._mesh_layout, dp_rank=self.dp_rank)
         named = dict(zip(self._backward_fusion.outputs, self._backward_fusion.execute(inputs)))
         grads = [named[f"grad.{name}"] for name in PARAM_NAMES]
         return named["grad_x"], self._sum_over_dp(grads)
@@ -262,11 +255,10 @@ class TPBlock(torch.nn.Module):
 
     def __init__(self, cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, rng_seed: int = 0,
                  device: Optional[torch.device] = None, mesh: bool = True,
-                 train_options: ScheduleOptions = ScheduleOptions(), dp_group=None):
+                 dp_group=None):
         super().__init__()
         self.cfg, self.layout, self.rank = cfg, layout, rank
-        self.runner = ShardedBlock(cfg, layout, rank, device=device, mesh=mesh, train_options=train_options,
-                                   dp_group=dp_group)
+        self.runner = ShardedBlock(cfg, layout, rank, device=device, mesh=mesh, dp_group=dp_group)
         self._eval_runner = None
         self.shards = torch.nn.ParameterList()
         self.rng_seed, self.step = rng_seed, 0
@@ -283,7 +275,7 @@ class TPBlock(torch.nn.Module):
             if self._eval_runner is None:
                 self._eval_runner = ShardedBlock(self.cfg.replace(dropout=0.0), self.layout, self.rank,
                                                  device=self.runner.device, mesh=self.runner._mesh_layout is not None,
-                                                 train_options=self.runner.train_options, dp_group=self.runner.dp_group)
+                                                 dp_group=self.runner.dp_group)
             runner = self._eval_runner
         offset = self.step
         if self.training:
