@@ -20,18 +20,11 @@ os.environ.setdefault("NVFUSER_DISABLE", "parallel_compile")
 os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
 import torch  # noqa: E402
 
+from tpfuser.commlog import error_line  # noqa: E402
 from tpfuser.config import Layout, preset  # noqa: E402
 from tpfuser.fusion import backward_output_names, build_backward  # noqa: E402
 from tpfuser.reference import make_block, make_input  # noqa: E402
 from tpfuser.runtime import ShardedBlock  # noqa: E402
-
-
-def where_it_failed(e: Exception) -> str:
-    """The assert's location and message, without nvFuser's C++ backtrace."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    keep = [i for i, ln in enumerate(lines) if "ASSERT FAILED" in ln or "Error from segmentation group" in ln]
-    i = keep[-1] if keep else 0
-    return " | ".join(lines[i:i + 3])[:1200]
 
 
 def saved_inputs(cfg, layout):
@@ -60,7 +53,7 @@ def main(budget_s: float, dtypes: str, each: bool) -> None:
             build_backward(cfg, layout, outputs=outputs).execute(inputs[dtype])
             row["ok"] = True
         except Exception as e:  # nvFuser's compile asserts
-            row["ok"], row["error"] = False, where_it_failed(e)
+            row["ok"], row["error"] = False, error_line(e, context=2, limit=1200)
         row["seconds"] = round(time.perf_counter() - start, 1)
         rows.append(row)
         what = ",".join(outputs) if outputs else "all outputs"

@@ -26,6 +26,7 @@ os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
 import torch  # noqa: E402
 
 from tpfuser.check import check_forward  # noqa: E402
+from tpfuser.commlog import error_line  # noqa: E402
 from tpfuser.config import Layout, preset  # noqa: E402
 
 mode = sys.argv[1]
@@ -61,8 +62,7 @@ elif mode == "dpbwd":
         r["worst_tensor"], r["worst"] = max(r["errors"].items(), key=lambda kv: kv[1])
         r["ok"] = r["worst"] <= r["tolerance"]
     except Exception as e:
-        lines = [ln for ln in str(e).splitlines() if ln.strip()]
-        r["error"] = next((ln for ln in lines if "ASSERT FAILED" in ln or "NCCL" in ln), lines[0] if lines else repr(e))[:400]
+        r["error"] = error_line(e)
     print(f"rank {rank}: {r}", flush=True)
     with open(os.path.join(out_dir, f"dpbwd_rank{rank}.json"), "w") as f:
         json.dump(r, f, indent=1)
@@ -83,9 +83,7 @@ elif mode in ("tpbwd", "spbwd"):
         block.backward(x, x, saved)
         print(f"rank {rank}: backward finished (unexpected on one GPU)", flush=True)
     except Exception as e:
-        lines = [ln for ln in str(e).splitlines() if ln.strip()]
-        said = next((ln for ln in lines if "ASSERT FAILED" in ln or "NCCL" in ln or "Error" in ln), lines[0])
-        print(f"rank {rank}: stopped: {said[:300]}", flush=True)
+        print(f"rank {rank}: stopped: {error_line(e, context=0)[:300]}", flush=True)
 elif mode in ("tp", "sp"):
     try:
         check_forward(preset("tiny", dtype="fp32", dropout=0.0), Layout(1, 2, sp=mode == "sp"), rank, "tiny")

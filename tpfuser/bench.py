@@ -17,6 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from tpfuser.commlog import error_line
 from tpfuser.config import Layout, preset
 from tpfuser.plan import forward_flops
 from tpfuser.reference import Block, gelu_tanh, make_block, make_input
@@ -120,7 +121,7 @@ def bench(preset_name: str = "nanogpt", impls=IMPLS, iters: int = 100, warmup: i
                 for _ in range(warmup):
                     fn()
             except Exception as e:  # e.g. nvFuser failing to compile: report it, time the others
-                failed[name] = _first_line(e)
+                failed[name] = f"{type(e).__name__}: {error_line(e)}"
                 del fns[name]
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -153,14 +154,6 @@ def bench(preset_name: str = "nanogpt", impls=IMPLS, iters: int = 100, warmup: i
             "timing": f"CUDA events over {CALLS_PER_SAMPLE} back-to-back calls per sample, {iters} interleaved samples each",
             "matmul_tflops_measured": rate / 1e12, "copy_gbps_measured": bandwidth / 1e9, "matmul_gflop": flops / 1e9,
             "compute_floor_ms": floor_ms, "results": rows, "failed": failed}
-
-
-def _first_line(e: Exception) -> str:
-    """An exception's type and the first line that says what went wrong (nvFuser's
-    errors carry a C++ backtrace after it)."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    said = next((ln for ln in lines if "ASSERT FAILED" in ln or "Error" in ln), lines[0] if lines else "")
-    return f"{type(e).__name__}: {said}"[:400]
 
 
 def _forward_fns(cfg, ref, x, impls):
@@ -204,7 +197,7 @@ def _train_fns(cfg, ref, x, impls):
             for _ in range(3):
                 step()
         except Exception as e:  # e.g. nvFuser failing to compile: report it, time the others
-            failed[impl] = _first_line(e)
+            failed[impl] = f"{type(e).__name__}: {error_line(e)}"
             continue
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

@@ -1,5 +1,6 @@
-"""Reading the collectives nvFuser posted (NVFUSER_DUMP=communication) and
-comparing them with the plan's."""
+"""Reading what nvFuser reports: the collectives it posted
+(NVFUSER_DUMP=communication), compared with the plan's, and the line of an
+error that says what went wrong."""
 
 from __future__ import annotations
 
@@ -34,3 +35,17 @@ def compare_first(posted: list[dict], cfg: BlockConfig, layout: Layout, backward
     match = bool(first) and first["kind"] == plan[0]["kind"] and first["team"] == list(range(layout.tp)) \
         and first["shapes"].get("output") == plan[0]["shape"]
     return {"posted": posted, "planned": plan, "first_matches_plan": match}
+
+
+ERROR_MARKS = ("ASSERT FAILED", "Error from segmentation group", "NCCL error")
+
+
+def error_line(e: BaseException, context: int = 1, limit: int = 600) -> str:
+    """The first line of an exception that names nvFuser's assert, failing
+    segment or NCCL error (else its first line), with `context` lines after it
+    joined by ' | ': the message, without the C++ backtrace that follows."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    i = next((i for i, ln in enumerate(lines) if any(m in ln for m in ERROR_MARKS)), 0)
+    return " | ".join(lines[i:i + 1 + context])[:limit]
