@@ -104,3 +104,9 @@ def test_backward_collectives():
     assert [c.kind for c in sp] == ["allgather", "allgather", "reducescatter"] * 2
     assert all(c.shape == (1, 2048, 12288) and c.team == 8 for c in tp + sp)
     assert backward_collectives(preset("nanogpt"), Layout(2, 2))[0].shape == (8, 128, 1600)   # per dp rank
+    # dp > 1: then one all-reduce over dp of the rank's parameter gradients, in fp32, after the fusion
+    e = 64
+    tiny_shards = (3 * e * e + 3 * e + 4 * e * e + 4 * e + e * e + 4 * e * e) // 2 + 6 * e   # c_proj biases, LNs whole
+    last = backward_collectives(preset("tiny"), Layout(2, 2))[-1]
+    assert (last.kind, last.axis, last.team, last.shape, last.dtype_bytes) == ("allreduce", "dp", 2, (tiny_shards,), 4)
+    assert all(c.axis == "tp" for c in backward_collectives(preset("tiny"), Layout(1, 2)))

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 from tpfuser.config import BlockConfig, Layout
+from tpfuser.reference import param_shapes
 
 # A placement maps a tensor dimension to the mesh axis that splits it.
 DP, TP = "dp", "tp"
@@ -183,9 +184,9 @@ def backward_collectives(cfg: BlockConfig, layout: Layout) -> list[Collective]:
     parallel: an all-gather of the upstream gradient before each row-parallel
     linear, an all-gather of the LayerNorm output (recomputed on the rank's part
     of the sequence) for each column-parallel weight gradient, and a
-    reduce-scatter of each column-parallel input gradient. Over dp, the
-    parameter gradients are summed after the fusion (not listed: one all-reduce
-    of all of them through torch.distributed, runtime.ShardedBlock.backward)."""
+    reduce-scatter of each column-parallel input gradient. Then, when dp > 1,
+    the one all-reduce over dp of all this rank's parameter gradients, in fp32,
+    after the fusion (through torch.distributed: runtime.ShardedBlock.backward)."""
     b, s, e = cfg.batch // layout.dp, cfg.seq, cfg.n_embd
     nbytes, tp = cfg.torch_dtype.itemsize, layout.tp
     out = []
@@ -196,6 +197,9 @@ def backward_collectives(cfg: BlockConfig, layout: Layout) -> list[Collective]:
                     Collective("reducescatter", TP, f"after {column} input gradient", (b, s, e), nbytes, tp)]
         else:
             out.append(Collective("allreduce", TP, f"after {column} input gradient", (b, s, e), nbytes, tp))
+    if layout.dp > 1:
+        n = sum(math.prod(local_shape(shape, PARAM_PLACEMENTS[name], layout)) for name, shape in param_shapes(cfg).items())
+        out.append(Collective("allreduce", DP, "after the backward fusion (every parameter gradient, by the runtime)", (n,), 4, layout.dp))
     return out
 
 

@@ -39,7 +39,7 @@ def plan_report(cfg: BlockConfig, layout: Layout, preset_name: str = "") -> dict
             })
     param_bytes = sum(math.prod(t["local_shape"]) * nbytes for t in tensors if t["kind"] == "param")
     def rows(colls):
-        return [{"kind": c.kind, "axis": c.axis, "where": c.where, "shape": list(c.shape),
+        return [{"kind": c.kind, "axis": c.axis, "team": c.team, "where": c.where, "shape": list(c.shape),
                  "bytes_per_rank": c.bytes_per_rank, "wire_bytes_per_rank": c.wire_bytes_per_rank} for c in colls]
     saved = {"tp": saved_bytes_per_rank(cfg, dataclasses.replace(layout, sp=False))}
     if cfg.seq % layout.tp == 0:
@@ -75,13 +75,13 @@ def format_plan(rep: dict) -> str:
         shard = ", ".join(f"dim {d} over {a}" for d, a in t["sharding"].items()) or "replicated"
         lines.append(f"{t['name']:<22}{str(tuple(t['global_shape'])):<22}{str(tuple(t['local_shape'])):<22}{shard}")
     for key, what in (("collectives", "forward"), ("backward_collectives", "backward")):
-        lines += ["", f"collectives nvFuser inserts ({what}):"]
+        lines += ["", f"collectives ({what}; nvFuser inserts those over tp):"]
         for c in rep[key]:
             lines.append(f"  {c['kind']} over {c['axis']} {c['where']}: {tuple(c['shape'])}, "
                          f"{_fmt_bytes(c['bytes_per_rank'])}, {_fmt_bytes(c['wire_bytes_per_rank'])} sent per rank"
-                         + ("  (team of one: no traffic)" if m["tp"] == 1 else ""))
-    lines.append("  over dp: none in the forward; in the backward an all-reduce of every parameter gradient"
-                 + ("  (team of one: no traffic)" if m["dp"] == 1 else ""))
+                         + ("  (team of one: no traffic)" if c["team"] == 1 else ""))
+    if m["dp"] == 1:
+        lines.append("  over dp: none (dp = 1)")
     f = rep["flops_per_rank"]
     lines += ["", f"matmul FLOPs per rank: {f['total'] / 1e9:.3g} GFLOP "
               f"({', '.join(f'{k} {v / 1e9:.3g}' for k, v in f.items() if k != 'total')})",
