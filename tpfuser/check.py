@@ -148,8 +148,9 @@ def check_backward(cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, m
                    rng_seed: int = 1234, rng_offset: int = 5, dp_group=None) -> dict:
     """This rank's gradients (input and every parameter shard) against the
     matching slices of reference autograd's, with the fusion's dropout masks.
-    Returns {tensor: rel L2 error}. Parameter gradients are summed over dp by
-    the plan, so on a dp x 1 mesh each rank's must equal the whole batch's."""
+    Returns {tensor: rel L2 error}. Parameter gradients are summed over dp
+    (after the fusion, over dp_group), so on a dp x 1 mesh each rank's must
+    equal the whole batch's. Raises if a saved dropout mask differs from the oracle's."""
     from tpfuser.fusion import saved_names
     from tpfuser.reference import PARAM_NAMES
     from tpfuser.shard import qkv_heads_interleaved

@@ -168,8 +168,7 @@ def _causal_probs(fd, q, k, cfg):
 
 
 def _dropped_probs(fd, q, k, cfg, p, keep):
-    """(probs, probs after dropout with the keep mask, or None for no dropout)
-    of the written-out attention."""
+    """(probs, probs after dropout) of the written-out attention; keep=None: no dropout."""
     probs = _causal_probs(fd, q, k, cfg)
     return probs, (probs if keep is None else _dropout(fd, probs, keep, p))
 
@@ -528,9 +527,10 @@ def build_backward(cfg: BlockConfig, layout: Layout | None = None, outputs=None,
     The backward of dp rank `dp_rank` runs on that rank's tp devices alone, on
     its b/dp rows of the batch: its parameter gradients are sums over those
     rows, and the caller sums them over dp (runtime.ShardedBlock.backward, as
-    DDP does). Inside the fusion nvFuser 0.2.36 would all-reduce a sum over the
-    mesh's dp axis within the tp team instead (its lowering takes the team
-    along the mesh's first axis; NOTES.md)."""
+    DDP does). Inside the fusion, nvFuser 0.2.36 would all-reduce a sum over the
+    mesh's dp axis within the tp team instead: its lowering of an all-reduce
+    takes the team along mesh_x whatever the axis reduced (read in its source,
+    not seen run; NOTES.md)."""
     if layout is not None:
         layout.check(cfg)
         cfg = cfg.replace(batch=cfg.batch // layout.dp)

@@ -157,8 +157,7 @@ class ShardedBlock:
         params = self._checked_params(params)
         self._validate("x", x, self.input_shape())
         if self._train_fusion is None:
-            self._train_fusion = build_forward(self.cfg, self._mesh_layout, check=self.check, train=True,
-)
+            self._train_fusion = build_forward(self.cfg, self._mesh_layout, check=self.check, train=True)
         outs = self._train_fusion.fd.execute([x.contiguous(), *params, *self._rng_inputs(rng_seed, rng_offset)])
         named = dict(zip(self._train_fusion.outputs, outs))
         saved = [named.pop(name) for name in saved_names(self.cfg)]
