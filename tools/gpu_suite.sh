@@ -14,7 +14,9 @@
 # the device: the summary, and everything else in run.tar.gz.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
-ONLY=${ONLY:-tests train bench bisect dp tp gpt3}
+# The default: every check (side by side), then the benchmarks (alone). About 12
+# minutes on the H200; a 600 s device call takes it in two halves (README).
+ONLY=${ONLY:-fwd+bwd+bwdmesh+dp+dpbwd+tp+tpbwd train bench gpt3}
 TESTS=${TESTS:-tests} K=${K:-}
 export PYTHONPATH=$PWD:${PYTHONPATH:-} NVIDIA_TF32_OVERRIDE=0 PYTHONUNBUFFERED=1
 export TPFUSER_GPU_RECORD=$OUT/gpu_record.jsonl   # the figures behind the GPU tests (tests/conftest.py)
