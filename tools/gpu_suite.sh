@@ -15,7 +15,8 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 # The default: every check (side by side), then the benchmarks (alone). About 12
-# minutes on the H200; a 600 s device call takes it in two halves (README).
+# minutes on the H200 (estimated from runs 6-8); a 600 s device call takes it in
+# two halves (README).
 ONLY=${ONLY:-fwd+bwd+bwdmesh+dp+dpbwd+tp+tpbwd train bench gpt3}
 TESTS=${TESTS:-tests} K=${K:-}
 export PYTHONPATH=$PWD:${PYTHONPATH:-} NVIDIA_TF32_OVERRIDE=0 PYTHONUNBUFFERED=1
