@@ -7,7 +7,7 @@ import pytest
 
 from tpfuser.bench import format_table, validate_report
 
-REPORTS = sorted(glob.glob("results/*/bench_*.json"))
+REPORTS = sorted(glob.glob("results/**/bench_*.json", recursive=True))
 
 
 def test_there_are_committed_reports():
