@@ -110,3 +110,14 @@ def test_backward_collectives():
     last = backward_collectives(preset("tiny"), Layout(2, 2))[-1]
     assert (last.kind, last.axis, last.team, last.shape, last.dtype_bytes) == ("allreduce", "dp", 2, (tiny_shards,), 4)
     assert all(c.axis == "tp" for c in backward_collectives(preset("tiny"), Layout(1, 2)))
+
+
+def test_committed_gpt3_tp8_plan_is_what_the_command_prints(capsys):
+    """results/plan_gpt3_tp8.md shows the plan (issue: sequence parallelism); it must not drift from the code."""
+    import re
+    text = open("results/plan_gpt3_tp8.md").read()
+    blocks = re.findall(r"```\n(.*?)```", text, flags=re.S)
+    assert len(blocks) == 2
+    for block, extra in zip(blocks, ([], ["--sp"])):
+        assert main(["plan", "--preset", "gpt3", "--tp", "8", *extra]) == 0
+        assert capsys.readouterr().out == block
