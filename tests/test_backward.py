@@ -62,8 +62,7 @@ def test_backward_simulation_is_sensitive():
 @pytest.mark.parametrize("layout", MESHES, ids=MESH_IDS)
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_backward_builds_and_is_sharded_as_planned(layout, dtype):
-    from tpfuser.fusion import (backward_output_names, build_backward, build_forward, fusion_text, loop_sharding,
-                                saved_names)
+    from tpfuser.fusion import backward_output_names, build_backward, build_forward, loop_sharding, saved_names
     from tests.test_fusion import expected_loop, mesh_text
     cfg = preset("tiny", dtype=dtype)
     bf = build_backward(cfg, layout)

@@ -5,7 +5,6 @@ import os
 import tempfile
 
 import pytest
-import torch
 import torch.multiprocessing as mp
 
 from tpfuser.config import preset

@@ -1,7 +1,5 @@
 import json
 
-import pytest
-
 from tpfuser.cli import main
 from tpfuser.config import Layout, preset
 from tpfuser.plan import forward_flops

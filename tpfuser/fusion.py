@@ -206,7 +206,7 @@ def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, 
     with check=True also the keep-masks of every dropout drawn in the fusion;
     with train=True also what the backward needs (saved_names).
     """
-    b, s, e, h, d = cfg.batch, cfg.seq, cfg.n_embd, cfg.n_head, cfg.head_dim
+    b, s, e = cfg.batch, cfg.seq, cfg.n_embd
     dtype, p = _NV_DTYPE[cfg.torch_dtype], cfg.dropout
     ff = ForwardFusion(fd, cfg, check, has_rng=p > 0)
 

@@ -16,7 +16,6 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from tpfuser.config import BlockConfig
 

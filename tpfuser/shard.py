@@ -14,7 +14,7 @@ import math
 import torch
 
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.plan import DP, TP, Placement, PARAM_PLACEMENTS, PLACEMENTS
+from tpfuser.plan import DP, TP, Placement, PARAM_PLACEMENTS
 from tpfuser.reference import LN_EPS, PARAM_NAMES, gelu_tanh
 
 
