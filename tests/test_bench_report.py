@@ -39,3 +39,21 @@ def test_plot_writes_a_png(tmp_path):
     out = tmp_path / "bench.png"
     assert main([str(out), *REPORTS[:2]]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_plot_against_tp_when_the_reports_span_meshes(tmp_path):
+    """Reports of several tp (made here from a committed one) give a time-against-tp plot."""
+    import matplotlib.image
+    from tpfuser.plot import main
+    rep = json.load(open(REPORTS[0]))
+    paths = []
+    for tp in (1, 2, 4):
+        r = copy.deepcopy(rep)
+        r["mesh"] = f"1x{tp}"
+        for row in r["results"].values():
+            row.update({k: row[k] / tp for k in ("median_ms", "min_ms", "max_ms")})
+        paths.append(tmp_path / f"tp{tp}.json")
+        paths[-1].write_text(json.dumps(r))
+    out = tmp_path / "scaling.png"
+    assert main([str(out), *map(str, paths)]) == 0
+    assert matplotlib.image.imread(out).shape[0] > 100

@@ -94,8 +94,38 @@ def test_main_job_without_gpu(capsys):
 
 
 def test_bench_refuses_what_this_machine_cannot_run(capsys):
-    assert main(["bench", "--impl", "dtensor"]) == 2
-    assert "implementation 'dtensor': must be one of" in capsys.readouterr().err
+    """Each refusal names the thing, what it needs and what came, before any GPU work."""
+    cases = [
+        (["--impl", "dtensor"], "implementation 'dtensor': needs tp > 1"),
+        (["--impl", "flash"], "implementation 'flash': must be one of"),
+        (["--dp", "2", "--impl", "nvfuser-nomesh", "--preset", "tiny"], "'nvfuser-nomesh': one GPU only, the mesh is 2x1"),
+        (["--tp", "3", "--preset", "tiny"], "n_head=8: must be divisible by tp=3"),
+    ]
+    if torch.cuda.device_count() < 2:
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        cases.append((["--tp", "2", "--preset", "tiny"], f"a 1x2 mesh needs 2 GPUs, one per rank; this machine has {n}"))
+    for argv, message in cases:
+        assert main(["bench", *argv]) == 2, argv
+        assert message in capsys.readouterr().err, argv
     if not torch.cuda.is_available():
         assert main(["bench", "--impl", "eager"]) == 2
         assert "benchmarking needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_default_implementations_follow_the_mesh():
+    from tpfuser.bench import default_impls
+    assert default_impls(Layout(1, 1)) == ("nvfuser", "nvfuser-nomesh", "eager", "compile")
+    assert default_impls(Layout(2, 1)) == ("nvfuser", "eager", "compile")
+    assert default_impls(Layout(1, 8)) == ("nvfuser", "eager", "compile", "dtensor")
+
+
+def test_comm_floor_by_hand():
+    """gpt3 at tp 8: two all-reduces of 48 MiB forward, each rank sending 2 * 7/8 of it;
+    a training step adds the backward's two; at 450 GB/s of bus bandwidth."""
+    from tpfuser.bench import comm_floor_ms
+    wire = 2 * 7 / 8 * 2048 * 12288 * 2
+    assert comm_floor_ms(preset("gpt3"), Layout(1, 8), 450e9, train=False) == pytest.approx(2 * wire / 450e9 * 1e3)
+    assert comm_floor_ms(preset("gpt3"), Layout(1, 8), 450e9, train=True) == pytest.approx(4 * wire / 450e9 * 1e3)
+    assert comm_floor_ms(preset("gpt3"), Layout(1, 8, sp=True), 450e9, train=False) == pytest.approx(2 * wire / 450e9 * 1e3)
+    # with dp 2, the dp gradient sum is not in the floor, and each tp team moves half the batch
+    assert comm_floor_ms(preset("nanogpt"), Layout(2, 1), 450e9, train=True) == 0

@@ -1,9 +1,17 @@
-"""Benchmark of the block forward: nvFuser against eager PyTorch and
-torch.compile, in one process, interleaved, CUDA-event timed, with the
-compute floor (matmul FLOPs over the bf16 matmul rate measured in the same
-run, at the block's own GEMM shapes).
+"""Benchmark of the block, forward or a training step: nvFuser against eager
+PyTorch, torch.compile and (tp > 1) DTensor tensor parallelism, interleaved,
+CUDA-event timed, with the compute floor (matmul FLOPs per GPU over the bf16
+matmul rate measured in the same run) and, with tp > 1, the communication
+floor (the plan's bytes over the all-reduce bus bandwidth measured over tp).
 
-    python -m tpfuser.bench --preset nanogpt --json out.json
+    tpfuser bench --preset nanogpt --json out.json          # one GPU
+    tpfuser bench --preset gpt3 --tp 8 --json out.json      # runs itself under torchrun, a rank per GPU
+
+On a dp x tp mesh every rank times its share; a sample is the slowest rank's.
+eager and compile run the whole block on the rank's b/dp rows (no tensor
+parallelism); dtensor is the reference block parallelized by PyTorch over tp
+(tpfuser/peers.py). In a training step with dp > 1 every implementation sums
+its parameter gradients over dp (runtime.sum_over_group, as DDP would).
 """
 
 from __future__ import annotations
@@ -19,10 +27,30 @@ import torch.nn.functional as F
 
 from tpfuser.commlog import error_line
 from tpfuser.config import Layout, preset
-from tpfuser.plan import forward_flops
+from tpfuser.plan import backward_collectives, collectives, forward_flops, placements
 from tpfuser.reference import Block, gelu_tanh, make_block, make_input
+from tpfuser.shard import local_slice
 
-IMPLS = ("nvfuser", "nvfuser-nomesh", "eager", "compile")
+IMPLS = ("nvfuser", "nvfuser-nomesh", "eager", "compile", "dtensor")
+
+
+def default_impls(layout: Layout) -> tuple[str, ...]:
+    """What a user would compare on this mesh: the fusion without a mesh on one
+    GPU; DTensor's tensor parallelism where tp > 1."""
+    if layout.world_size == 1:
+        return ("nvfuser", "nvfuser-nomesh", "eager", "compile")
+    return ("nvfuser", "eager", "compile") + (("dtensor",) if layout.tp > 1 else ())
+
+
+def check_impls(impls, layout: Layout) -> None:
+    for impl in impls:
+        if impl not in IMPLS:
+            raise ValueError(f"implementation {impl!r}: must be one of {IMPLS}")
+        if impl == "dtensor" and layout.tp == 1:
+            raise ValueError("implementation 'dtensor': needs tp > 1 (DTensor's tensor parallelism "
+                             "over several GPUs; --tp N)")
+        if impl == "nvfuser-nomesh" and layout.world_size > 1:
+            raise ValueError(f"implementation 'nvfuser-nomesh': one GPU only, the mesh is {layout.dp}x{layout.tp}")
 # Each timing sample is this many back-to-back calls (throughput, as a
 # training loop sees it); samples of the implementations are interleaved.
 CALLS_PER_SAMPLE = 10
@@ -96,24 +124,58 @@ def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
-def bench(preset_name: str = "nanogpt", impls=IMPLS, iters: int = 100, warmup: int = 20, dropout=None,
-          progress: bool = True, train: bool = False) -> dict:
+def allreduce_busbw(nbytes: int, group, team: int, reps: int = 20) -> float:
+    """All-reduce bus bandwidth over `group`, bytes/s: a ring all-reduce sends
+    2 (n-1)/n of the tensor per rank, so time = that / bandwidth (nccl-tests' busbw)."""
+    import torch.distributed as dist
+    t = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        dist.all_reduce(t, group=group)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ms = statistics.median(_time(lambda: dist.all_reduce(t, group=group), start, end) for _ in range(reps))
+    return 2 * (team - 1) / team * nbytes / (ms * 1e-3)
+
+
+def comm_floor_ms(cfg, layout: Layout, busbw: float, train: bool) -> float:
+    """The plan's bytes over tp (forward; and backward in a training step) at
+    the measured bus bandwidth, without overlap. The dp sum of the gradients is
+    not counted (it can overlap the next step's forward, as DDP does)."""
+    colls = collectives(cfg, layout) + (backward_collectives(cfg, layout) if train else [])
+    return sum(c.wire_bytes_per_rank for c in colls if c.axis == "tp") / busbw * 1e3
+
+
+def _slowest_rank(times: dict[str, list[float]], world: int) -> dict[str, list[float]]:
+    """Per implementation and sample, the largest time over the ranks (a step
+    takes as long as its slowest rank); an implementation that failed on some
+    rank is left out."""
+    if world == 1:
+        return times
+    import torch.distributed as dist
+    every: list = [None] * world
+    dist.all_gather_object(every, times)
+    return {name: [max(rank[name][i] for rank in every) for i in range(len(times[name]))]
+            for name in times if all(name in rank for rank in every)}
+
+
+def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: int = 20, dropout=None,
+          progress: bool = True, train: bool = False, layout: Layout = Layout(), rank: int = 0, groups=None) -> dict:
+    """Time the implementations on this rank; with dp * tp > 1, under a launcher,
+    torch.distributed initialized and `groups` from launch.rank_groups."""
     overrides = {"dtype": "bf16"} | ({} if dropout is None else {"dropout": dropout})
     cfg = preset(preset_name, **overrides)
-    for impl in impls:
-        if impl not in IMPLS:
-            raise ValueError(f"implementation {impl!r}: must be one of {IMPLS} on one GPU "
-                             f"(dtensor needs several GPUs: see the multi-GPU issue)")
+    layout.check(cfg)
+    impls = tuple(impls or default_impls(layout))
+    check_impls(impls, layout)
     if not torch.cuda.is_available():
         raise RuntimeError("benchmarking needs a CUDA GPU")
     ref = make_block(cfg, dtype=torch.bfloat16, device="cuda")
-    x = make_input(cfg, dtype=torch.bfloat16, device="cuda")
+    x = local_slice(make_input(cfg, dtype=torch.bfloat16, device="cuda"), placements(layout)["x"], layout, rank)
     memory, failed = {}, {}
     if not train:
-        fns = _forward_fns(cfg, ref, x, impls)
+        fns = _forward_fns(cfg, ref, x, impls, layout, rank, groups)
         ctx = torch.no_grad()
     else:
-        fns, memory, failed = _train_fns(cfg, ref, x, impls)
+        fns, memory, failed = _train_fns(cfg, ref, x, impls, layout, rank, groups)
         ctx = torch.enable_grad()
     with ctx:
         for name, fn in list(fns.items()):
@@ -134,10 +196,12 @@ def bench(preset_name: str = "nanogpt", impls=IMPLS, iters: int = 100, warmup: i
                 print(f"\r  {i + 1}/{iters} rounds ({time.time() - t0:.0f} s)", end="", file=sys.stderr, flush=True)
         if progress:
             print(file=sys.stderr)
+    times = _slowest_rank(times, layout.world_size)
     rate = matmul_rate(cfg)
     bandwidth = copy_bandwidth()
-    # A backward does two matmuls for each of the forward's (input and weight gradients).
-    flops = forward_flops(cfg)["total"] * (3 if train else 1)
+    # Matmul FLOPs per GPU of the block's work (its global FLOPs over dp * tp);
+    # a backward does two matmuls for each of the forward's.
+    flops = forward_flops(cfg, layout)["total"] * (3 if train else 1)
     floor_ms = flops / rate * 1e3
     rows = {}
     for name, ts in times.items():
@@ -149,19 +213,25 @@ def bench(preset_name: str = "nanogpt", impls=IMPLS, iters: int = 100, warmup: i
             r["ratio_to_eager"] = r["median_ms"] / rows["eager"]["median_ms"]
     for name, mem in memory.items():
         rows[name].update(mem)
-    return {"preset": preset_name, "config": cfg.__dict__, "pass": "forward+backward" if train else "forward", "mesh": "1x1",
-            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "timing": f"CUDA events over {CALLS_PER_SAMPLE} back-to-back calls per sample, {iters} interleaved samples each",
-            "matmul_tflops_measured": rate / 1e12, "copy_gbps_measured": bandwidth / 1e9, "matmul_gflop": flops / 1e9,
-            "compute_floor_ms": floor_ms, "results": rows, "failed": failed}
+    rep = {"preset": preset_name, "config": cfg.__dict__, "pass": "forward+backward" if train else "forward",
+           "mesh": f"{layout.dp}x{layout.tp}", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "timing": f"CUDA events over {CALLS_PER_SAMPLE} back-to-back calls per sample, {iters} interleaved "
+                     f"samples each" + (", the slowest rank's" if layout.world_size > 1 else ""),
+           "matmul_tflops_measured": rate / 1e12, "copy_gbps_measured": bandwidth / 1e9, "matmul_gflop": flops / 1e9,
+           "compute_floor_ms": floor_ms, "results": rows, "failed": failed}
+    if layout.tp > 1:
+        busbw = allreduce_busbw(collectives(cfg, layout)[0].bytes_per_rank, groups.tp, layout.tp)
+        rep["allreduce_busbw_gbps"] = busbw / 1e9
+        rep["comm_floor_ms"] = comm_floor_ms(cfg, layout, busbw, train)
+    return rep
 
 
-def _forward_fns(cfg, ref, x, impls):
+def _forward_fns(cfg, ref, x, impls, layout, rank, groups):
     fns = {}
     for impl, mesh in (("nvfuser", True), ("nvfuser-nomesh", False)):
         if impl in impls:
             from tpfuser.runtime import ShardedBlock
-            nv = ShardedBlock(cfg, Layout(1, 1), mesh=mesh).load(ref.state_dict())
+            nv = ShardedBlock(cfg, layout, rank, mesh=mesh).load(ref.state_dict())
             steps = iter(range(1 << 30))
             fns[impl] = lambda nv=nv, steps=steps: nv(x, 1234, next(steps) % 100_000)["out"]
     if "eager" in impls:
@@ -169,30 +239,44 @@ def _forward_fns(cfg, ref, x, impls):
     if "compile" in impls:
         compiled = torch.compile(eager_forward)
         fns["compile"] = lambda: compiled(ref, x, cfg.dropout)
+    if "dtensor" in impls:
+        from tpfuser.peers import dtensor_block, dtensor_forward
+        block = dtensor_block(ref, groups.tp_mesh)
+        fns["dtensor"] = lambda: dtensor_forward(block, x, cfg.dropout)
     return fns
 
 
-def _train_fns(cfg, ref, x, impls):
-    """One training step each (forward, backward, gradients dropped), and its
-    peak memory and saved-activation bytes."""
-    from tpfuser.runtime import TPBlock
+def _train_fns(cfg, ref, x, impls, layout, rank, groups):
+    """One training step each (forward, backward, parameter gradients summed
+    over dp when dp > 1, then dropped), and its peak memory and saved-activation bytes."""
+    from tpfuser.runtime import TPBlock, sum_over_group
     grad = torch.randn_like(x)
+    x = x.detach().requires_grad_(True)   # as inside a model: every implementation computes the input's gradient
     fns, memory, forwards, failed = {}, {}, {}, {}
     for impl, mesh in (("nvfuser", True), ("nvfuser-nomesh", False)):
         if impl in impls:
-            model = TPBlock(cfg, mesh=mesh).load_full_state_dict(ref.state_dict())
-            forwards[impl] = (lambda m=model: m(x), list(model.parameters()))
+            model = TPBlock(cfg, layout, rank, mesh=mesh, dp_group=groups.dp if groups else None)
+            model.load_full_state_dict(ref.state_dict())
+            forwards[impl] = (lambda m=model: m(x), list(model.parameters()), False)   # its backward sums over dp
     params = list(ref.parameters())
     if "eager" in impls:
-        forwards["eager"] = (lambda: eager_forward(ref, x, cfg.dropout), params)
+        forwards["eager"] = (lambda: eager_forward(ref, x, cfg.dropout), params, True)
     if "compile" in impls:
         compiled = torch.compile(eager_forward)
-        forwards["compile"] = (lambda: compiled(ref, x, cfg.dropout), params)
-    for impl, (fwd, ps) in forwards.items():
-        def step(fwd=fwd, ps=ps):
+        forwards["compile"] = (lambda: compiled(ref, x, cfg.dropout), params, True)
+    if "dtensor" in impls:
+        from tpfuser.peers import dtensor_block, dtensor_forward
+        block = dtensor_block(ref, groups.tp_mesh)
+        forwards["dtensor"] = (lambda: dtensor_forward(block, x, cfg.dropout), list(block.parameters()), True)
+    for impl, (fwd, ps, sum_dp) in forwards.items():
+        def step(fwd=fwd, ps=ps, sum_dp=sum_dp and layout.dp > 1):
             fwd().backward(grad)
+            if sum_dp:
+                local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in ps]
+                sum_over_group(local, groups.dp)
             for p in ps:
                 p.grad = None
+            x.grad = None
         try:
             for _ in range(3):
                 step()
@@ -239,7 +323,9 @@ def validate_report(rep: dict) -> dict:
 def format_table(rep: dict) -> str:
     lines = [f"{rep['preset']} {rep['pass']} on {rep['gpu']} (mesh {rep['mesh']}): "
              f"floor {rep['compute_floor_ms']:.3f} ms at {rep['matmul_tflops_measured']:.0f} TFLOP/s measured"
-             + (f"; copy {rep['copy_gbps_measured']:.0f} GB/s" if "copy_gbps_measured" in rep else ""),
+             + (f"; copy {rep['copy_gbps_measured']:.0f} GB/s" if "copy_gbps_measured" in rep else "")
+             + (f"; communication floor {rep['comm_floor_ms']:.3f} ms at {rep['allreduce_busbw_gbps']:.0f} GB/s "
+                f"all-reduce bus bandwidth over tp" if "comm_floor_ms" in rep else ""),
              f"{'impl':<16}{'median ms':>10}{'min':>8}{'max':>8}{'TFLOP/s':>9}{'of floor':>9}{'vs eager':>9}"]
     if any("peak_mib_above_baseline" in r for r in rep["results"].values()):
         lines[1] += f"{'peak MiB':>10}{'saved MiB':>10}"
@@ -255,20 +341,37 @@ def format_table(rep: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="tpfuser-bench")
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog="tpfuser bench")
     ap.add_argument("--preset", default="nanogpt")
-    ap.add_argument("--impl", default=",".join(IMPLS))
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--impl", default=None, help=f"comma-separated, of {','.join(IMPLS)} (default: what the mesh allows)")
     ap.add_argument("--iters", type=int, default=100, help="samples per implementation")
     ap.add_argument("--dropout", type=float, default=None)
     ap.add_argument("--train", action="store_true", help="forward+backward (a training step) instead of forward")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None, help="also plot the report here")
     args = ap.parse_args(argv)
+    layout, rank, groups = Layout(args.dp, args.tp), 0, None
+    impls = args.impl.split(",") if args.impl else None
     try:
-        rep = bench(args.preset, tuple(args.impl.split(",")), args.iters, dropout=args.dropout, train=args.train)
+        cfg = preset(args.preset)
+        layout.check(cfg)
+        check_impls(impls or (), layout)
+        if layout.world_size > 1:
+            from tpfuser.launch import in_launcher, init_rank, rank_groups, relaunch
+            if not in_launcher():   # one rank per GPU under torchrun, or a clear refusal
+                return relaunch(layout, ["bench", *argv])
+            rank = init_rank(layout)
+            groups = rank_groups(layout, rank)
+        rep = bench(args.preset, impls, args.iters, dropout=args.dropout, train=args.train, layout=layout,
+                    rank=rank, groups=groups, progress=rank == 0)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if rank != 0:   # every rank timed; rank 0 holds the slowest rank's samples and reports
+        return 0
     validate_report(rep)
     if args.json:
         with open(args.json, "w") as f:

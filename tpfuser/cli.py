@@ -3,7 +3,7 @@
   tpfuser show  [--preset P] [--dtype D] [--dp N --tp N]   print the fusion (no GPU)
   tpfuser plan  [--preset P] [--dp N --tp N] [--json F]    shardings, collectives, FLOPs (no GPU)
   tpfuser check [--preset P] [--dtype D] [--dp N --tp N]   fusion vs reference on GPUs
-  tpfuser bench [--preset P] [--impl a,b] [--json F]        nvFuser vs eager vs torch.compile (1 GPU)
+  tpfuser bench [--preset P] [--dp N --tp N] [--train] [--json F]   nvFuser vs eager, torch.compile, DTensor
   tpfuser main                                              check if GPUs exist, else show + plan
 """
 
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
             p.add_argument("--json", default=None, help="also write the plan as JSON here")
         p.set_defaults(fn=fn)
     # Listed for --help only: `bench` is dispatched above, with its own options.
-    sub.add_parser("bench", help="benchmark on one GPU (see: tpfuser bench --help)")
+    sub.add_parser("bench", help="benchmark against the peers (see: tpfuser bench --help)")
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

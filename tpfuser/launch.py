@@ -70,6 +70,30 @@ def dp_group(layout: Layout, rank: int):
     return mine
 
 
+def rank_groups(layout: Layout, rank: int):
+    """torch.distributed (NCCL) for this rank, and its groups: .tp and .dp (this
+    rank's row and column of the mesh) and .tp_mesh (a torch DeviceMesh over its
+    tp row, for DTensor). Called by every rank after init_rank."""
+    from types import SimpleNamespace
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    if not dist.is_initialized():
+        dist.init_process_group("nccl")
+    mesh = init_device_mesh("cuda", (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
+    return SimpleNamespace(tp=tp_group(layout, rank), dp=dp_group(layout, rank), tp_mesh=mesh["tp"])
+
+
+def tp_group(layout: Layout, rank: int):
+    """This rank's tp group: the ranks of its dp row. Called by every rank, as dp_group."""
+    import torch.distributed as dist
+    mine = None
+    for d in range(layout.dp):
+        group = dist.new_group([d * layout.tp + t for t in range(layout.tp)])
+        if rank // layout.tp == d:
+            mine = group
+    return mine
+
+
 def torchrun_command(layout: Layout, argv: list[str], environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """The command and environment that re-run `tpfuser argv` under torchrun on this node.
     The world of one that fusion.py may have described for this process is dropped."""
@@ -81,11 +105,16 @@ def torchrun_command(layout: Layout, argv: list[str], environ: dict[str, str]) -
     return cmd, env
 
 
-def relaunch(layout: Layout) -> int:
-    """Re-run this command under torchrun with dp*tp local ranks."""
+def relaunch(layout: Layout, argv: list[str] | None = None) -> int:
+    """Re-run this command (`tpfuser argv`, default this process's) under
+    torchrun with dp*tp local ranks; refuse when this machine has fewer GPUs."""
     import torch
-    check_world(layout, layout.world_size, torch.cuda.device_count(), layout.world_size)
-    cmd, env = torchrun_command(layout, sys.argv[1:], dict(os.environ))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < layout.world_size:
+        raise ValueError(f"a {layout.dp}x{layout.tp} mesh needs {layout.world_size} GPUs, one per rank; "
+                         f"this machine has {gpus}")
+    check_world(layout, layout.world_size, gpus, layout.world_size)
+    cmd, env = torchrun_command(layout, sys.argv[1:] if argv is None else argv, dict(os.environ))
     try:
         return subprocess.run(cmd, timeout=RUN_TIMEOUT_S, env=env).returncode
     except subprocess.TimeoutExpired:

@@ -178,20 +178,7 @@ class ShardedBlock:
         return named["grad_x"], self._sum_over_dp(grads)
 
     def _sum_over_dp(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One all-reduce over the dp group of every parameter gradient, flattened
-        together and summed in fp32 (through the CPU where the group is gloo's)."""
-        if self.layout.dp == 1:
-            return grads
-        import torch.distributed as dist
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
-        on = flat.cpu() if dist.get_backend(self.dp_group) == "gloo" else flat
-        dist.all_reduce(on, group=self.dp_group)
-        flat = on.to(flat.device)
-        out, at = [], 0
-        for g in grads:
-            out.append(flat[at:at + g.numel()].view_as(g).to(g.dtype))
-            at += g.numel()
-        return out
+        return grads if self.layout.dp == 1 else sum_over_group(grads, self.dp_group)
 
     def backward_inputs(self, grad_out: torch.Tensor, x: torch.Tensor, saved: list[torch.Tensor],
                         params=None) -> list:
@@ -202,6 +189,23 @@ class ShardedBlock:
             raise ValueError(f"saved: expected {len(saved_names(self.cfg))} tensors "
                              f"({', '.join(saved_names(self.cfg))}), got {len(saved)}")
         return [grad_out.contiguous(), x.contiguous(), *params, *(t.contiguous() for t in saved)]
+
+
+def sum_over_group(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """Each tensor summed over a torch.distributed group in one all-reduce:
+    flattened together, summed in fp32 (through the CPU where the group is
+    gloo's), each returned in its own dtype and shape. The dp sum of parameter
+    gradients (as DDP's buckets do it)."""
+    import torch.distributed as dist
+    flat = torch.cat([t.reshape(-1).float() for t in tensors])
+    on = flat.cpu() if dist.get_backend(group) == "gloo" else flat
+    dist.all_reduce(on, group=group)
+    flat = on.to(flat.device)
+    out, at = [], 0
+    for t in tensors:
+        out.append(flat[at:at + t.numel()].view_as(t).to(t.dtype))
+        at += t.numel()
+    return out
 
 
 def gather_output(local: torch.Tensor, layout: Layout, name: str = "out", group=None) -> torch.Tensor:
