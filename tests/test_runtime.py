@@ -129,3 +129,14 @@ def test_comm_floor_by_hand():
     assert comm_floor_ms(preset("gpt3"), Layout(1, 8, sp=True), 450e9, train=False) == pytest.approx(2 * wire / 450e9 * 1e3)
     # with dp 2, the dp gradient sum is not in the floor, and each tp team moves half the batch
     assert comm_floor_ms(preset("nanogpt"), Layout(2, 1), 450e9, train=True) == 0
+
+
+def test_kernel_summary_by_hand():
+    """Two calls: 3 kernels each, 0.15 ms of GPU time a call of a 0.4 ms call, the rest idle."""
+    from tpfuser.bench import kernel_summary
+    kernels = [("gemm", 100.0), ("ln", 20.0), ("gelu", 30.0)] * 2
+    s = kernel_summary(kernels, calls=2, median_ms=0.4, top=2)
+    assert s["kernels_per_call"] == 3 and s["kernel_ms_per_call"] == pytest.approx(0.15)
+    assert s["idle_ms_per_call"] == pytest.approx(0.25)
+    assert s["top_kernels_ms_per_call"] == [["gemm", pytest.approx(0.1)], ["gelu", pytest.approx(0.03)]]
+    assert kernel_summary(kernels, calls=2, median_ms=0.1)["idle_ms_per_call"] == 0.0   # never negative

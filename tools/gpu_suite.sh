@@ -42,11 +42,11 @@ step_bwd() { echo "== GPU tests (1x1): the backward without a mesh"; pytest_gpu 
 step_bwdmesh() { echo "== GPU tests (1x1): the backward on a mesh"; pytest_gpu tests_bwdmesh tests/test_gpu_backward.py "${BWD_K:+($BWD_K) and }mesh"; }
 step_train() {
   echo "== benchmark: nanogpt forward+backward (a training step), with peak and saved memory"
-  T 240 -- python3 -m tpfuser.bench --preset nanogpt --train --json "$OUT/bench_nanogpt_train.json" --iters ${ITERS:-30} 2>&1 | tee "$OUT/train.log"
+  T 240 -- python3 -m tpfuser.bench --preset nanogpt --train --profile --json "$OUT/bench_nanogpt_train.json" --iters ${ITERS:-30} 2>&1 | tee "$OUT/train.log"
 }
 step_bench() {
   echo "== benchmark: nanogpt forward, nvFuser (1x1 mesh, and no mesh) vs eager vs torch.compile"
-  T 300 -- python3 -m tpfuser.bench --preset nanogpt --json "$OUT/bench_nanogpt.json" --iters $((${ITERS:-30} * 3))
+  T 300 -- python3 -m tpfuser.bench --preset nanogpt --profile --json "$OUT/bench_nanogpt.json" --iters $((${ITERS:-30} * 3))
 }
 step_bisect() {
   echo "== the meshed backward (1x1) in each dtype at once; then each output alone of the failing ones"

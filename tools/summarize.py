@@ -80,6 +80,10 @@ for which in ("nanogpt", "gpt3", "nanogpt_train"):
         rows.append((f"bench {which} {'fwd+bwd' if 'train' in which else 'fwd'} {name}",
                      f"{r['median_ms']:.3f} ms, x{r.get('ratio_to_eager', 0):.2f} eager, "
                      f"{r['fraction_of_matmul_rate']:.2f} of floor ({b['compute_floor_ms']:.3f} ms){mem}"))
+        if "profile" in r:
+            p = r["profile"]
+            rows.append((f"  {name}: where the time goes", f"{p['kernels_per_call']:.0f} kernels, GPU busy "
+                         f"{p['kernel_ms_per_call']:.3f} ms, idle {p['idle_ms_per_call']:.3f} ms"))
     for name, why in b.get("failed", {}).items():
         rows.append((f"bench {which} {name}", f"FAILED: {why[:150]}"))
 cases = [r for path in sorted(glob.glob(os.path.join(out, "bisect_*.json"))) for r in json.load(open(path))]

@@ -144,6 +144,32 @@ def comm_floor_ms(cfg, layout: Layout, busbw: float, train: bool) -> float:
     return sum(c.wire_bytes_per_rank for c in colls if c.axis == "tp") / busbw * 1e3
 
 
+def kernel_summary(kernels: list[tuple[str, float]], calls: int, median_ms: float, top: int = 6) -> dict:
+    """What a call's time goes to: `kernels` are (name, microseconds) of every GPU
+    kernel over `calls` calls; median_ms the call's timed median. The GPU is idle
+    for the rest (launches, host work, waits): a launch-bound call has much of it."""
+    per_name: dict[str, float] = {}
+    for name, us in kernels:
+        per_name[name] = per_name.get(name, 0.0) + us
+    busy = sum(us for _, us in kernels) / calls / 1e3
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
+    return {"kernels_per_call": len(kernels) / calls, "kernel_ms_per_call": busy,
+            "idle_ms_per_call": max(0.0, median_ms - busy),
+            "top_kernels_ms_per_call": [[name[:100], us / calls / 1e3] for name, us in ranked]}
+
+
+def profile_kernels(fn, calls: int) -> list[tuple[str, float]]:
+    """(name, microseconds) of the GPU kernels of `calls` calls of fn (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def _slowest_rank(times: dict[str, list[float]], world: int) -> dict[str, list[float]]:
     """Per implementation and sample, the largest time over the ranks (a step
     takes as long as its slowest rank); an implementation that failed on some
@@ -158,9 +184,11 @@ def _slowest_rank(times: dict[str, list[float]], world: int) -> dict[str, list[f
 
 
 def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: int = 20, dropout=None,
-          progress: bool = True, train: bool = False, layout: Layout = Layout(), rank: int = 0, groups=None) -> dict:
+          progress: bool = True, train: bool = False, layout: Layout = Layout(), rank: int = 0, groups=None,
+          profile: bool = False) -> dict:
     """Time the implementations on this rank; with dp * tp > 1, under a launcher,
-    torch.distributed initialized and `groups` from launch.rank_groups."""
+    torch.distributed initialized and `groups` from launch.rank_groups. profile:
+    also say what each call's time goes to (kernel_summary, rank 0's)."""
     overrides = {"dtype": "bf16"} | ({} if dropout is None else {"dropout": dropout})
     cfg = preset(preset_name, **overrides)
     layout.check(cfg)
@@ -196,6 +224,7 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
                 print(f"\r  {i + 1}/{iters} rounds ({time.time() - t0:.0f} s)", end="", file=sys.stderr, flush=True)
         if progress:
             print(file=sys.stderr)
+        kernels = {name: profile_kernels(fn, CALLS_PER_SAMPLE) for name, fn in fns.items()} if profile else {}
     times = _slowest_rank(times, layout.world_size)
     rate = matmul_rate(cfg)
     bandwidth = copy_bandwidth()
@@ -213,6 +242,9 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
             r["ratio_to_eager"] = r["median_ms"] / rows["eager"]["median_ms"]
     for name, mem in memory.items():
         rows[name].update(mem)
+    for name, ks in kernels.items():
+        if name in rows:
+            rows[name]["profile"] = kernel_summary(ks, CALLS_PER_SAMPLE, rows[name]["median_ms"])
     rep = {"preset": preset_name, "config": cfg.__dict__, "pass": "forward+backward" if train else "forward",
            "mesh": f"{layout.dp}x{layout.tp}", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "timing": f"CUDA events over {CALLS_PER_SAMPLE} back-to-back calls per sample, {iters} interleaved "
@@ -337,6 +369,12 @@ def format_table(rep: dict) -> str:
         lines.append(line)
     for name, why in rep.get("failed", {}).items():
         lines.append(f"{name:<16}failed: {why[:160]}")
+    for name, r in rep["results"].items():
+        if "profile" in r:
+            p = r["profile"]
+            lines.append(f"{name:<16}{p['kernels_per_call']:.0f} kernels a call, GPU busy {p['kernel_ms_per_call']:.3f} ms, "
+                         f"idle {p['idle_ms_per_call']:.3f} ms; most: " +
+                         ", ".join(f"{k[:40]} {ms:.3f}" for k, ms in p["top_kernels_ms_per_call"][:3]))
     return "\n".join(lines)
 
 
@@ -350,6 +388,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=100, help="samples per implementation")
     ap.add_argument("--dropout", type=float, default=None)
     ap.add_argument("--train", action="store_true", help="forward+backward (a training step) instead of forward")
+    ap.add_argument("--profile", action="store_true", help="also what each call's time goes to (GPU kernels, idle)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None, help="also plot the report here")
     args = ap.parse_args(argv)
@@ -366,7 +405,7 @@ def main(argv=None) -> int:
             rank = init_rank(layout)
             groups = rank_groups(layout, rank)
         rep = bench(args.preset, impls, args.iters, dropout=args.dropout, train=args.train, layout=layout,
-                    rank=rank, groups=groups, progress=rank == 0)
+                    rank=rank, groups=groups, progress=rank == 0, profile=args.profile)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
