@@ -240,11 +240,10 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
     if "eager" in rows:
         for r in rows.values():
             r["ratio_to_eager"] = r["median_ms"] / rows["eager"]["median_ms"]
-    for name, mem in memory.items():
-        rows[name].update(mem)
-    for name, ks in kernels.items():
-        if name in rows:
-            rows[name]["profile"] = kernel_summary(ks, CALLS_PER_SAMPLE, rows[name]["median_ms"])
+    for name in rows:   # (an implementation that failed on another rank has no row)
+        rows[name].update(memory.get(name, {}))
+        if name in kernels:
+            rows[name]["profile"] = kernel_summary(kernels[name], CALLS_PER_SAMPLE, rows[name]["median_ms"])
     rep = {"preset": preset_name, "config": cfg.__dict__, "pass": "forward+backward" if train else "forward",
            "mesh": f"{layout.dp}x{layout.tp}", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "timing": f"CUDA events over {CALLS_PER_SAMPLE} back-to-back calls per sample, {iters} interleaved "
