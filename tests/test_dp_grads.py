@@ -1,8 +1,7 @@
 """The parameter gradients' sum over dp, after the backward fusion
 (ShardedBlock._sum_over_dp, launch.dp_group), on the CPU: four gloo ranks of
 a 2x2 layout, each summing with the rank holding its tp shard in the other dp
-row; the tp groups (launch.tp_group), each rank with its dp row's other rank;
-and the benchmark's per-sample slowest rank (bench._slowest_rank)."""
+row; and the benchmark's per-sample slowest rank (bench._slowest_rank)."""
 import os
 import tempfile
 
@@ -14,8 +13,8 @@ from tpfuser.config import Layout, preset
 
 def _rank(rank, world, init_file, results):
     import torch.distributed as dist
-    from tpfuser.launch import dp_group, tp_group
-    from tpfuser.runtime import ShardedBlock, sum_over_group
+    from tpfuser.launch import dp_group
+    from tpfuser.runtime import ShardedBlock
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         layout = Layout(2, 2)
@@ -23,10 +22,9 @@ def _rank(rank, world, init_file, results):
                              dp_group=dp_group(layout, rank))
         grads = [torch.full((3, 2), float(rank), dtype=torch.bfloat16), torch.arange(4.0) * (rank + 1)]
         summed = block._sum_over_dp(grads)
-        row = sum_over_group([torch.tensor([float(rank)])], tp_group(layout, rank))[0].item()
         from tpfuser.bench import _slowest_rank
         slowest = _slowest_rank({"a": [float(rank), 10.0 - rank]}, 4)["a"]
-        results[rank] = [g.tolist() for g in summed] + [str(t.dtype) for t in summed] + [row, slowest]
+        results[rank] = [g.tolist() for g in summed] + [str(t.dtype) for t in summed] + [slowest]
     finally:
         dist.destroy_process_group()
 
@@ -39,9 +37,8 @@ def test_parameter_gradients_are_summed_over_the_dp_group_only():
     # ranks 0 and 2 hold tp shard 0, ranks 1 and 3 tp shard 1 (rank = dp_rank * tp + tp_rank)
     for rank in range(4):
         partner = (rank + 2) % 4
-        filled, ramp, dtype_a, dtype_b, row, slowest = results[rank]
+        filled, ramp, dtype_a, dtype_b, slowest = results[rank]
         assert slowest == [3.0, 10.0]     # every rank: each sample's largest time over the ranks
-        assert row == rank + (rank ^ 1)   # tp groups: ranks 0 and 1, 2 and 3
         assert filled == [[float(rank + partner)] * 2] * 3
         assert ramp == [i * (rank + 1 + partner + 1) for i in range(4)]
         assert (dtype_a, dtype_b) == ("torch.bfloat16", "torch.float32")   # each gradient keeps its dtype

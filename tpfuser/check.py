@@ -83,6 +83,14 @@ def oracle_masks(cfg: BlockConfig, rng_seed: int, rng_offset: int, device) -> Ma
                  attn=draw("attn") if cfg.dtype == "fp32" else None)
 
 
+def _mask_mismatches(tensors: dict[str, torch.Tensor], masks: Masks, layout: Layout, rank: int) -> dict[str, int]:
+    """For each keep-mask among `tensors` (names ending in _keep): how many of its
+    elements differ from this rank's slice of the oracle's mask."""
+    return {name: int((t != local_slice(getattr(masks, name.removesuffix("_keep")), placements(layout)[name],
+                                        layout, rank)).sum().item())
+            for name, t in tensors.items() if name.endswith("_keep")}
+
+
 def _rank_part(t: torch.Tensor, block: ShardedBlock) -> torch.Tensor:
     """This rank's part of a tensor covering its dp rank's batch slice."""
     return t.chunk(block.layout.tp, dim=1)[block.tp_rank] if block.layout.sp else t
@@ -127,10 +135,9 @@ def check_forward(cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, pr
     result = CheckResult(preset_name, cfg.dtype, cfg.dropout, f"{layout.dp}x{layout.tp}", rank,
                          rel_l2(out, expected), TOLERANCES[cfg.dtype],
                          rel_l2(out.float() - x_local, expected - x_local))
+    result.mask_mismatches = _mask_mismatches(outs, masks, layout, rank)
     for name, t in outs.items():
         if name.endswith("_keep"):
-            oracle = local_slice(getattr(masks, name.removesuffix("_keep")), placements(layout)[name], layout, rank)
-            result.mask_mismatches[name] = int((t != oracle).sum().item())
             result.keep_rates[name] = t.float().mean().item()
             flat = t.flatten().to(torch.int64)
             result.mask_digests[name] = int((flat * torch.arange(1, flat.numel() + 1, device=flat.device)).sum() % (1 << 61))
@@ -171,12 +178,11 @@ def check_backward(cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, m
 
     ref = ref.to(device)
     masks = oracle_masks(cfg, rng_seed, rng_offset, device) if cfg.dropout > 0 else None
+    # The masks the backward took are the oracle's, bit for bit.
+    for name, wrong in _mask_mismatches(dict(zip(saved_names(cfg), saved)), masks, layout, rank).items():
+        if wrong:
+            raise AssertionError(f"saved dropout mask {name}: {wrong} elements differ from the oracle's")
     where = placements(layout)
-    for name, t in zip(saved_names(cfg), saved):   # the masks the backward took are the oracle's, bit for bit
-        if name.endswith("_keep"):
-            wrong = int((t != local_slice(getattr(masks, name.removesuffix("_keep")), where[name], layout, rank)).sum())
-            if wrong:
-                raise AssertionError(f"saved dropout mask {name}: {wrong} elements differ from the oracle's")
     attention = flash_replay(cfg.dropout, rng_state) if cfg.dtype == "bf16" else None
     xr = x.to(device).requires_grad_(True)
     out = ref(xr, masks, attention)

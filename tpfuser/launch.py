@@ -79,19 +79,9 @@ def rank_groups(layout: Layout, rank: int):
     from torch.distributed.device_mesh import init_device_mesh
     if not dist.is_initialized():
         dist.init_process_group("nccl")
+    # Ranks laid out as the fusion's mesh (rank = dp_rank * tp + tp_rank); its groups are DTensor's too.
     mesh = init_device_mesh("cuda", (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
-    return SimpleNamespace(tp=tp_group(layout, rank), dp=dp_group(layout, rank), tp_mesh=mesh["tp"])
-
-
-def tp_group(layout: Layout, rank: int):
-    """This rank's tp group: the ranks of its dp row. Called by every rank, as dp_group."""
-    import torch.distributed as dist
-    mine = None
-    for d in range(layout.dp):
-        group = dist.new_group([d * layout.tp + t for t in range(layout.tp)])
-        if rank // layout.tp == d:
-            mine = group
-    return mine
+    return SimpleNamespace(tp=mesh.get_group("tp"), dp=mesh.get_group("dp"), tp_mesh=mesh["tp"])
 
 
 def torchrun_command(layout: Layout, argv: list[str], environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
@@ -113,7 +103,6 @@ def relaunch(layout: Layout, argv: list[str] | None = None) -> int:
     if gpus < layout.world_size:
         raise ValueError(f"a {layout.dp}x{layout.tp} mesh needs {layout.world_size} GPUs, one per rank; "
                          f"this machine has {gpus}")
-    check_world(layout, layout.world_size, gpus, layout.world_size)
     cmd, env = torchrun_command(layout, sys.argv[1:] if argv is None else argv, dict(os.environ))
     try:
         return subprocess.run(cmd, timeout=RUN_TIMEOUT_S, env=env).returncode
