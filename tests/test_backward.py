@@ -157,3 +157,17 @@ def test_backward_subset_keeps_only_what_its_outputs_need():
     assert list(build_backward(cfg).outputs) == backward_output_names()
     with pytest.raises(ValueError, match="grad.nope"):
         build_backward(cfg, outputs=["grad.nope"])
+
+
+def test_backward_reductions_each_reduce_one_axis():
+    """The sums over the rows (b, s) go one axis at a time: nvFuser 0.2.36 lowers a
+    sum over a device-split axis and another axis at once to a wrong-sized copy
+    (fusion._sum_rows). Every reduction of the backward reduces a single axis."""
+    import re
+    from tpfuser.fusion import build_backward, fusion_text
+    for dtype in ("bf16", "fp32"):
+        lines = fusion_text(build_backward(preset("tiny", dtype=dtype), Layout(1, 1))).splitlines()
+        outputs = [lines[i - 1] for i, ln in enumerate(lines) if ln.strip().startswith("= reduction(")]
+        assert len(outputs) >= 10, dtype    # the bias and LayerNorm sums at least
+        for tv in outputs:
+            assert len(re.findall(r"\br[A-Za-z.]*\d+\{", tv)) == 1, tv
