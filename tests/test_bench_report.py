@@ -42,9 +42,10 @@ def test_plot_writes_a_png(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
-def test_plot_against_tp_when_the_reports_span_meshes(tmp_path):
+def test_plot_against_tp_when_the_reports_span_meshes(tmp_path, monkeypatch):
     """Reports of several tp (made here from a committed one) give a time-against-tp plot."""
     import matplotlib.image
+    import tpfuser.plot
     from tpfuser.plot import main
     rep = json.load(open(REPORTS[0]))
     paths = []
@@ -58,3 +59,9 @@ def test_plot_against_tp_when_the_reports_span_meshes(tmp_path):
     out = tmp_path / "scaling.png"
     assert main([str(out), *map(str, paths)]) == 0
     assert matplotlib.image.imread(out).shape[0] > 100
+    called = []
+    monkeypatch.setattr(tpfuser.plot, "plot_scaling", lambda reps, path: called.append(("scaling", len(reps))))
+    monkeypatch.setattr(tpfuser.plot, "plot_reports", lambda reps, path: called.append(("bars", len(reps))))
+    main([str(out), *map(str, paths)])
+    main([str(out), str(paths[0])])
+    assert called == [("scaling", 3), ("bars", 1)]

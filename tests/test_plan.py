@@ -119,3 +119,15 @@ def test_committed_gpt3_tp8_plan_is_what_the_command_prints(capsys):
     for block, extra in zip(blocks, ([], ["--sp"])):
         assert main(["plan", "--preset", "gpt3", "--tp", "8", *extra]) == 0
         assert capsys.readouterr().out == block
+
+
+def test_backward_intermediates_are_placed_where_the_collectives_go():
+    """Under SP the linears' gradients read the recomputed LayerNorm outputs and the
+    row-parallel output gradients whole (all-gathered: replicated over tp), and the
+    LayerNorm output gradients come out split on the sequence (reduce-scattered)."""
+    from tpfuser.plan import DP, TP, placements
+    sp, tp = placements(Layout(2, 4, sp=True)), placements(Layout(2, 4))
+    for name in ("ln_1.out", "ln_2.out", "g.attn.c_proj.out", "g.mlp.c_proj.out"):
+        assert sp[name] == tp[name] == {0: DP}, name
+    for name in ("g.ln_1.out", "g.ln_2.out"):
+        assert sp[name] == {0: DP, 1: TP} and tp[name] == {0: DP}, name
