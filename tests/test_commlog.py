@@ -1,8 +1,10 @@
 """Parsing nvFuser's communication dump, on the line the H200 printed for the 1x2 mesh."""
+import ctypes
 import json
 
-from tpfuser.commlog import compare_first, parse_communication_log
+from tpfuser.commlog import captured_communications, compare_collectives, parse_communication_log
 from tpfuser.config import Layout, preset
+from tpfuser.plan import collectives
 
 SEEN = json.load(open("results/2026-12-02-h200/tp_collectives.json"))["posted"][0]["line"]
 
@@ -13,19 +15,46 @@ def test_parses_the_line_seen_on_the_h200():
     assert c["shapes"] == {"input": [4, 16, 64, 1], "output": [4, 16, 64]}
 
 
-def test_compare_with_the_plan():
-    posted = parse_communication_log(SEEN)
+def _posted(kind, team, shape_in, shape_out):
+    return {"kind": kind, "team": team, "shapes": {"input": shape_in, "output": shape_out}}
+
+
+def test_compare_with_the_whole_plan():
     cfg = preset("tiny", dtype="fp32", dropout=0.0)
-    assert compare_first(posted, cfg, Layout(1, 2))["first_matches_plan"]
-    assert not compare_first(posted, cfg, Layout(1, 2, sp=True))["first_matches_plan"]   # SP starts with an all-gather
-    assert not compare_first([], cfg, Layout(1, 2))["first_matches_plan"]
+    seen = parse_communication_log(SEEN)
+    both = seen + [dict(seen[0])]
+    assert compare_collectives(both, collectives(cfg, Layout(1, 2)), [0, 1])["matches"]
+    assert not compare_collectives(seen, collectives(cfg, Layout(1, 2)), [0, 1])["matches"]          # one missing
+    assert not compare_collectives(both + seen, collectives(cfg, Layout(1, 2)), [0, 1])["matches"]   # one too many
+    assert not compare_collectives(both, collectives(cfg, Layout(1, 2, sp=True)), [0, 1])["matches"]  # SP gathers first
+    assert not compare_collectives(both, collectives(cfg, Layout(2, 2)), [2, 3])["matches"]   # another team
+
+
+def test_sp_plan_matches_gathers_and_reduce_scatters_by_elements():
+    cfg = preset("tiny", dtype="bf16", dropout=0.0)
+    b, s, e = 4, 16, 64
+    posted = [_posted("allgather", [0, 1], [b, s // 2, e], [b, s, e]),
+              _posted("reducescatter", [0, 1], [b, s, e, 1], [b, s // 2, e])] * 2
+    assert compare_collectives(posted, collectives(cfg, Layout(1, 2, sp=True)), [0, 1])["matches"]
+    posted[1] = _posted("reducescatter", [0, 1], [b, s, e // 2, 1], [b, s // 2, e // 2])   # half the bytes
+    assert not compare_collectives(posted, collectives(cfg, Layout(1, 2, sp=True)), [0, 1])["matches"]
 
 
 def test_a_collective_of_the_wrong_shape_does_not_match():
-    wrong = SEEN.replace("output_tensor [4, 16, 64]", "output_tensor [4, 16, 32]")
+    wrong = SEEN.replace("input_tensor [4, 16, 64, 1] and output_tensor [4, 16, 64]",
+                         "input_tensor [4, 16, 32, 1] and output_tensor [4, 16, 32]")
     assert wrong != SEEN
     cfg = preset("tiny", dtype="fp32", dropout=0.0)
-    assert not compare_first(parse_communication_log(wrong), cfg, Layout(1, 2))["first_matches_plan"]
+    assert not compare_collectives(parse_communication_log(wrong) * 2, collectives(cfg, Layout(1, 2)), [0, 1])["matches"]
+
+
+def test_captured_communications_reads_what_c_code_writes_to_stdout(capfd):
+    libc = ctypes.CDLL(None)
+    with captured_communications() as posted:
+        libc.printf(b"%s\nsomething else\n", SEEN.encode())   # as nvFuser's C++ dump writes it
+    assert [p["kind"] for p in posted] == ["allreduce"]
+    out = capfd.readouterr().out
+    assert "something else" in out and "Posting Communication" not in out   # the rest is written back
 
 
 def test_error_line_finds_the_assert_and_drops_the_backtrace():

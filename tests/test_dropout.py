@@ -102,3 +102,11 @@ def test_dropout_scalars_of_a_rank():
     assert (tp["start.batch"], tp["start.seq"], tp["start.head"]) == (2, 0, 4)
     assert (sp["start.batch"], sp["start.seq"], sp["start.head"]) == (2, 8, 4)
     assert tp["key.attn"] == sp["key.attn"] == stream_key(0, 0, "attn")
+
+
+def test_flash_seed_is_a_stream_per_rank_and_call():
+    from tpfuser.dropout import flash_seed
+    seeds = {flash_seed(s, o, d, t) for s in (0, 1) for o in (0, 1, 2) for d in range(2) for t in range(8)}
+    assert len(seeds) == 2 * 3 * 2 * 8                       # every (seed, offset, dp rank, tp rank) its own
+    assert all(0 <= x < 2 ** 63 for x in seeds)              # a valid torch generator seed
+    assert flash_seed(5, 7, 1, 3) == flash_seed(5, 7, 1, 3)  # no state: any process replays it

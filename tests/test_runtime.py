@@ -76,7 +76,7 @@ def test_check_without_gpu_says_so_in_one_line(capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     assert main(["check", "--preset", "tiny"]) == 2
-    assert capsys.readouterr().out == NO_GPU + "\n"
+    assert capsys.readouterr().err == NO_GPU + "\n"
 
 
 def test_show_prints_the_fusion(capsys):

@@ -9,7 +9,8 @@
 #   train, bench, gpt3  benchmarks: nanogpt fwd+bwd, nanogpt fwd, gpt3 fwd (ITERS samples, 30)
 #   bisect  the meshed backward in each of BISECT_DTYPES ("bf16 fp32") at once, bound BISECT_S,
 #           BISECT_EACH=1 then each output alone of a failing one
-#   dp, dpbwd, tp, tpbwd  two ranks on the one GPU (tools/two_ranks.py)
+#   mesh    every mesh checked to the end, forward and backward, its ranks sharing the GPU
+#           (tools/mesh_suite.py; MESH picks groups or jobs, default "tiny nanogpt gpt3"; bound MESH_S)
 # SUITE_S: no step starts after this many seconds. At most 8 files come back from
 # the device: the summary, and everything else in run.tar.gz.
 set -uo pipefail
@@ -17,7 +18,7 @@ OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 # The default: every check (side by side), then the benchmarks (alone). About 12
 # minutes on the H200 (estimated from runs 6-8); a 600 s device call takes it in
 # two halves (README).
-ONLY=${ONLY:-fwd+bwd+bwdmesh+dp+dpbwd+tp+tpbwd train bench gpt3}
+ONLY=${ONLY:-fwd+bwd+bwdmesh mesh train bench gpt3}
 TESTS=${TESTS:-tests} K=${K:-}
 export PYTHONPATH=$PWD:${PYTHONPATH:-} NVIDIA_TF32_OVERRIDE=0 PYTHONUNBUFFERED=1
 export TPFUSER_GPU_RECORD=$OUT/gpu_record.jsonl   # the figures behind the GPU tests (tests/conftest.py)
@@ -57,41 +58,16 @@ step_bisect() {
   wait
   cat "$OUT"/bisect_*.log | grep -E "^(bisect|stopped)" | cut -c1-400
 }
-step_dpbwd() {
-  echo "== two ranks on one GPU, 2x1 mesh: training forward and backward, gradients against the whole batch's"
-  T 240 -- torchrun --standalone --nproc-per-node 2 tools/two_ranks.py dpbwd 2>&1 | grep -E "^rank|Error" | cut -c1-600
-}
-step_dp() {
-  echo "== two ranks on one GPU, 2x1 mesh (data parallel, runs to the end)"
-  T 240 -- torchrun --standalone --nproc-per-node 2 tools/two_ranks.py dp 2>&1 | grep -E "^rank|Error" | cut -c1-400
-}
-step_tp() {
-  echo "== two ranks on one GPU, 1x2 mesh: the collectives nvFuser posts before NCCL refuses"
-  NVFUSER_DUMP=communication T 120 -- torchrun --standalone --nproc-per-node 2 tools/two_ranks.py tp > "$OUT/tp_dump.log" 2>&1
-  grep -E "^rank" "$OUT/tp_dump.log" | cut -c1-300
-  python3 tools/collectives.py "$OUT/tp_dump.log" tiny 1 2 fp32 > "$OUT/tp_collectives.json"
-  grep -m3 -i "communication" "$OUT/tp_dump.log" | cut -c1-400
-  echo "== the same with sequence parallelism"
-  NVFUSER_DUMP=communication T 120 -- torchrun --standalone --nproc-per-node 2 tools/two_ranks.py sp > "$OUT/sp_dump.log" 2>&1
-  python3 tools/collectives.py "$OUT/sp_dump.log" tiny 1 2 fp32 sp > "$OUT/sp_collectives.json"
-  grep -m3 -i "communication" "$OUT/sp_dump.log" | cut -c1-400
-}
-step_tpbwd() {
-  for which in tpbwd spbwd; do
-    echo "== two ranks on one GPU, 1x2 mesh, the backward alone ($which): its first collective"
-    NVFUSER_DUMP=communication T 150 -- torchrun --standalone --nproc-per-node 2 tools/two_ranks.py $which > "$OUT/${which}_dump.log" 2>&1
-    grep -E "^rank" "$OUT/${which}_dump.log" | cut -c1-300
-    python3 tools/collectives.py "$OUT/${which}_dump.log" tiny 1 2 bf16 ${which%bwd} bwd > "$OUT/${which}_collectives.json"
-    grep -m2 -i "posting communication" "$OUT/${which}_dump.log" | cut -c1-400
-  done
+step_mesh() {
+  echo "== every mesh to the end, ranks sharing the GPU (tools/mesh_suite.py ${MESH:-tiny nanogpt gpt3})"
+  mkdir -p "$OUT/mesh"
+  T ${MESH_S:-540} -- python3 tools/mesh_suite.py "$OUT/mesh" ${MESH:-tiny nanogpt gpt3} 2>&1 | tee "$OUT/mesh.log" | tail -40
 }
 step_gpt3() {
   echo "== benchmark: gpt3 forward at 1x1 (fewer samples: ~11 ms a call)"
   T 300 -- python3 -m tpfuser.bench --preset gpt3 --json "$OUT/bench_gpt3.json" --iters $(((${ITERS:-30} + 1) / 2))
 }
 
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("localhost", 0)); print(s.getsockname()[1])'; }
-torchrun() { NVFUSER_MASTER_PORT=$(free_port) command torchrun "$@"; }
 unset NVFUSER_MASTER_PORT   # single-process runs pick a free port (tpfuser/fusion.py): concurrent steps do not collide
 
 # Steps joined by + run at the same time (e.g. ONLY="fwd+bwd+dp train"); their output is

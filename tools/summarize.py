@@ -35,39 +35,19 @@ if os.path.exists(record):
         elif "worst_rel_diff" in r:
             rows.append((f"  {r['test']}", f"losses {r['losses'][0][0]:.4f} -> {r['losses'][-1][0]:.4f}, "
                                            f"worst rel diff {r['worst_rel_diff']:.1e}"))
-for path in sorted(glob.glob(os.path.join(out, "dpbwd_rank*.json"))):
-    r = json.load(open(path))
-    summary.setdefault("dp_2x1_backward", []).append(r)
-    rows.append((f"2x1 backward rank {r['rank']} {r['preset']} {r['dtype']} p={r['dropout']}",
-                 (f"worst rel err {r['worst']:.2e} ({r['worst_tensor']}) <= {r['tolerance']:.0e}: {'ok' if r['ok'] else 'FAIL'}"
-                  if "worst" in r else f"FAIL {r.get('error', '')[:200]}")))
-dp = []
-for path in sorted(glob.glob(os.path.join(out, "dp_rank*.json"))):
-    dp += json.load(open(path))
-summary["dp_2x1"] = dp
-for r in dp:
-    rows.append((f"2x1 rank {r['rank']} {r['preset']} {r['dtype']} p={r['dropout']}",
-                 f"rel err {r['rel_err']:.2e} <= {r['tolerance']:.0e}, masks off the global slice "
-                 f"{sum(r.get('mask_mismatches', {}).values())}: {'ok' if r['ok'] else 'FAIL'}" if "rel_err" in r
-                 else f"FAIL {r.get('error')}"))
-by_case = {}
-for r in dp:
-    by_case.setdefault((r["preset"], r["dtype"], r["dropout"]), []).append(r.get("mask_digests", {}))
-for case, digests in by_case.items():
-    if len(digests) == 2 and digests[0]:
-        differ = all(digests[0][k] != digests[1][k] for k in digests[0])
-        summary.setdefault("dp_masks_differ_across_ranks", {})[" ".join(map(str, case))] = differ
-        rows.append((f"2x1 masks {' '.join(map(str, case))}", "differ across dp ranks" if differ else "SAME on both dp ranks"))
-for which in ("tp", "sp", "tpbwd", "spbwd"):
-    path = os.path.join(out, f"{which}_collectives.json")
-    if not os.path.exists(path):
-        continue
-    tp = json.load(open(path))
-    summary[f"{which}_1x2_collectives"] = tp
-    first = tp["posted"][0] if tp["posted"] else None
-    rows.append((f"1x2 {which} first collective", (f"{first['kind']} team {first['team']} {first['shapes']}" if first else "none seen")
-                 + f"; plan {tp['planned'][0]['kind']} over tp {tp['planned'][0]['shape']}: "
-                 + ("match" if tp["first_matches_plan"] else "MISMATCH")))
+mesh = os.path.join(out, "mesh", "mesh_summary.json")
+if os.path.exists(mesh):
+    summary["mesh"] = json.load(open(mesh))
+    for tag, m in sorted(summary["mesh"].items()):
+        for dtype, c in m.get("cases", {}).items():
+            def f(x):
+                return "-" if x is None else f"{x:.1e}"
+            rows.append((f"mesh {tag} {dtype}", f"{c['ranks_ok']}/{c['ranks']} ranks ok, out {f(c['worst_out'])}, "
+                         f"grads {f(c['worst_grad'])}, masks {'equal' if c['masks_equal'] else 'DIFFER'}, "
+                         f"collectives {'as planned' if c['collectives_match'] else 'NOT as planned'}"
+                         + (f"; {c['errors'][0][:100]}" if c["errors"] else "")))
+        if "cases" not in m:
+            rows.append((f"mesh {tag}", f"exit {m['rc']}: {m.get('error')}"))
 for which in ("nanogpt", "gpt3", "nanogpt_train"):
     path = os.path.join(out, f"bench_{which}.json")
     if not os.path.exists(path):

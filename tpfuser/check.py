@@ -1,25 +1,39 @@
-"""Checking a rank's fusion outputs against the PyTorch reference block.
+"""Checking every rank's outputs and gradients against the PyTorch reference.
 
-The reference runs in float32 on this rank's batch slice, with the weights
-and input the fusion got (rounded to bf16 first when the fusion runs in bf16),
-and applies the very dropout masks the fusion drew: the residual masks come
-back as fusion outputs; in bf16 the attention dropout lives inside flash
-attention, which the reference replays by restoring the CUDA generator and
-calling the same ATen kernel.
+One process (the only one, or rank 0) runs the reference block once, in
+float32 on its GPU, on the global batch: the forward, and the backward from a
+fixed upstream gradient. It sees the weights and input the fusion sees
+(rounded to bf16 first when the fusion runs in bf16) and applies the very
+dropout masks the ranks draw:
+  - the fusion's hash masks, from (seed, offset) alone (dropout.keep_mask);
+  - flash attention's (bf16), by replaying each (dp, tp) rank's stream
+    (dropout.flash_seed) through ATen's flash kernel on that rank's rows and heads.
+It hands every rank its slices of the weights, input and expected results
+(through files in a folder of this machine when there are several ranks: the
+checks run their ranks on one machine). Every rank then runs its fusions on its
+slices and compares, masks bit for bit. Where the fusion runs in bf16 with
+dropout, the reference also replays the wrong streams (each rank another rank's)
+and the check must tell that run apart: the attention-dropout check is not vacuous.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 import torch
 
+from tpfuser.commlog import captured_communications, compare_collectives
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.reference import Masks, make_block, make_input
-from tpfuser.dropout import keep_mask, stream_key
-from tpfuser.plan import placements
-from tpfuser.runtime import ShardedBlock, mask_shape
-from tpfuser.shard import local_slice
+from tpfuser.dropout import flash_seed, keep_mask, stream_key
+from tpfuser.plan import DP, backward_collectives, collectives, local_shape, placements
+from tpfuser.fusion import saved_names
+from tpfuser.reference import PARAM_NAMES, Masks, make_block, make_input
+from tpfuser.runtime import MASKED, ShardedBlock, mask_shape, seeded_cuda_generator
+from tpfuser.shard import fusion_params, local_slice, rank_params, slice_starts
 
 # Relative L2 error allowed on the block output, per dtype.
 TOLERANCES = {
@@ -29,170 +43,267 @@ TOLERANCES = {
     # fp32 throughout, TF32 off: only the order of summation differs.
     "fp32": 1e-5,
 }
+# Relative L2 error allowed on every gradient. bf16: gradients pass through
+# several bf16 roundings (activations, matmul outputs) and sums over b*s rows.
+GRAD_TOLERANCES = {"bf16": 2e-2, "fp32": 1e-5}
+# Replaying the wrong ranks' flash-attention streams must raise the branch error
+# (out - x) at least this many times over the right replay's (nanogpt 1x1: ~16x, run 1).
+WRONG_STREAM_FACTOR = 5.0
 
 
 def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    a, e = actual.double().cpu(), expected.double().cpu()
+    a, e = actual.double(), expected.double().to(actual.device)
     return (torch.linalg.vector_norm(a - e) / torch.linalg.vector_norm(e)).item()
 
 
-def flash_replay(p: float, rng_state: torch.Tensor):
-    """Attention through ATen's flash kernel in bf16, its dropout replayed from rng_state."""
-    def attention(q, k, v):
-        torch.cuda.set_rng_state(rng_state)
-        out = torch.ops.aten._scaled_dot_product_flash_attention(
-            q.bfloat16(), k.bfloat16(), v.bfloat16(), p, True)[0]
-        return out.float()
+@dataclass(frozen=True)
+class Case:
+    """What one check runs: the block and mesh, the weights' and the dropouts' seeds."""
+
+    cfg: BlockConfig
+    layout: Layout = Layout()
+    weight_seed: int = 0
+    rng_seed: int = 1234
+    rng_offset: int = 0
+
+    @property
+    def replays_flash(self) -> bool:
+        return self.cfg.dtype == "bf16"
+
+    @property
+    def has_wrong_stream_control(self) -> bool:
+        return self.replays_flash and self.cfg.dropout > 0
+
+
+def flash_attention(case: Case, device: torch.device, wrong_stream: bool = False):
+    """The reference's attention in bf16 through ATen's flash kernel: for every
+    (dp, tp) rank its rows and heads, with its dropout stream (dropout.flash_seed).
+    wrong_stream: each rank's heads with the next tp rank's stream (tp > 1) or
+    with a stream no rank draws (tp == 1)."""
+    layout, p = case.layout, case.cfg.dropout
+
+    def attention(q, k, v):   # (b, h, s, d) float, global
+        rows = []
+        for i, part in enumerate(zip(*(t.chunk(layout.dp, dim=0) for t in (q, k, v)))):
+            heads = []
+            for j, (qh, kh, vh) in enumerate(zip(*(t.chunk(layout.tp, dim=1) for t in part))):
+                stream = ((j + 1) % layout.tp if layout.tp > 1 else 1) if wrong_stream else j
+                with seeded_cuda_generator(device, flash_seed(case.rng_seed, case.rng_offset, i, stream)):
+                    y = torch.ops.aten._scaled_dot_product_flash_attention(
+                        qh.bfloat16(), kh.bfloat16(), vh.bfloat16(), p, True)[0]
+                heads.append(y.float())
+            rows.append(torch.cat(heads, dim=1))
+        return torch.cat(rows, dim=0)
     return attention
 
 
+def oracle_masks(case: Case, device) -> Masks | None:
+    """The unsharded run's keep-masks, from (seed, offset) alone: what every
+    rank's fusion must draw a slice of. In bf16 the attention dropout is flash
+    attention's own (flash_attention)."""
+    cfg = case.cfg
+    if cfg.dropout == 0:
+        return None
+
+    def draw(stream):
+        return keep_mask(stream_key(case.rng_seed, case.rng_offset, stream), cfg.dropout, mask_shape(cfg, stream),
+                         device=device)
+    return Masks(resid_attn=draw("resid_attn"), resid_mlp=draw("resid_mlp"),
+                 attn=None if case.replays_flash else draw("attn"))
+
+
+def rank_masks(case: Case, rank: int, device) -> dict[str, torch.Tensor]:
+    """This rank's slice of every hash mask its fusion draws, by name (runtime.MASKED)."""
+    cfg, layout = case.cfg, case.layout
+    if cfg.dropout == 0:
+        return {}
+    where, out = placements(layout), {}
+    for stream, name in MASKED.items():
+        if stream == "attn" and case.replays_flash:
+            continue
+        shape = mask_shape(cfg, stream)
+        out[name] = keep_mask(stream_key(case.rng_seed, case.rng_offset, stream), cfg.dropout,
+                              local_shape(shape, where[name], layout),
+                              slice_starts(shape, where[name], layout, rank), shape, device)
+    return out
+
+
+class _FullPrecision:
+    """fp32 matmuls without TF32 inside the block: the reference is the oracle."""
+
+    def __enter__(self):
+        self.saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
+
+
+def reference(case: Case, device: torch.device, backward: bool = True) -> dict[str, torch.Tensor]:
+    """The reference run on the global batch, float32 on `device`: inputs,
+    parameters (the fusion's convention, shard.fusion_params), output, and with
+    `backward` the gradients (the fusion's convention too)."""
+    cfg = case.cfg
+    with _FullPrecision():
+        block = make_block(cfg, seed=case.weight_seed, device=device, drawn_on=device)
+        x, grad_out = (make_input(cfg, seed=s, device=device, drawn_on=device) for s in (1, 2))
+        if cfg.dtype == "bf16":   # the reference sees exactly the values the fusion sees
+            with torch.no_grad():
+                for p in block.parameters():
+                    p.copy_(p.bfloat16().float())
+            x, grad_out = x.bfloat16().float(), grad_out.bfloat16().float()
+        masks = oracle_masks(case, device)
+        attention = flash_attention(case, device) if case.replays_flash else None
+        xr = x.clone().requires_grad_(backward)
+        out = block(xr, masks, attention)
+        ref = {"x": x, "grad_out": grad_out, "out": out.detach()}
+        ref |= {f"param.{n}": t for n, t in fusion_params(block.state_dict(), cfg).items()}
+        if case.has_wrong_stream_control:
+            with torch.no_grad():
+                ref["out.wrong_stream"] = block(x, masks, flash_attention(case, device, wrong_stream=True))
+        if backward:
+            out.backward(grad_out)
+            ref["grad_x"] = xr.grad
+            grads = {n: p.grad for n, p in block.named_parameters()}
+            ref |= {f"grad.{n}": t for n, t in fusion_params(grads, cfg).items()}
+    return ref
+
+
+def rank_slices(ref: dict[str, torch.Tensor], case: Case, rank: int) -> dict[str, torch.Tensor]:
+    """What rank `rank` needs of the reference run: its parameter shards and
+    input slices in the block dtype, its expected slices in float32."""
+    cfg, layout = case.cfg, case.layout
+    where = placements(layout)
+    params = rank_params({n: ref[f"param.{n}"] for n in PARAM_NAMES}, layout, rank)
+    mine = {f"param.{n}": t.to(cfg.torch_dtype) for n, t in zip(PARAM_NAMES, params)}
+    for name, tensor in ref.items():
+        if name.startswith("param."):
+            continue
+        placement = where["out" if name == "out.wrong_stream" else name]
+        mine[name] = local_slice(tensor, placement, layout, rank)
+    return mine
+
+
+def expectations(case: Case, rank: int, device: torch.device, backward: bool = True) -> dict[str, torch.Tensor]:
+    """This rank's slices of the reference run. With several ranks, rank 0 runs the
+    reference once and writes each rank's slices to a folder of this machine
+    (torch.distributed, initialized by the caller, synchronizes)."""
+    if case.layout.world_size == 1:
+        return rank_slices(reference(case, device, backward), case, 0)
+    import torch.distributed as dist
+    folder = [tempfile.mkdtemp(prefix="tpfuser-check-") if rank == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    path = os.path.join(folder[0], "rank{}.pt")
+    if rank == 0:
+        ref = reference(case, device, backward)
+        for r in range(case.layout.world_size):
+            torch.save({k: v.cpu() for k, v in rank_slices(ref, case, r).items()}, path.format(r))
+        del ref
+        torch.cuda.empty_cache()
+    dist.barrier()
+    mine = torch.load(path.format(rank), map_location=device)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(folder[0], ignore_errors=True)
+    return mine
+
+
 @dataclass
-class CheckResult:
+class RankReport:
+    """One rank's check of one case: forward, backward and the collectives nvFuser posted."""
+
     preset: str
     dtype: str
     dropout: float
     mesh: str
+    sp: bool
     rank: int
-    rel_err: float
-    tolerance: float
-    # Error of the branches alone ((out - x) against (expected - x)): the
-    # residual x dominates `out`, so this is the sharper signal.
-    branch_rel_err: float = float("nan")
-    keep_rates: dict = field(default_factory=dict)
-    mask_digests: dict = field(default_factory=dict)   # to compare masks across ranks cheaply
-    # Elements where the fusion's mask differs from the rank's slice of the
-    # unsharded mask (dropout.keep_mask on the global shape): 0 when sharding-independent.
-    mask_mismatches: dict = field(default_factory=dict)
-    notes: list = field(default_factory=list)
+    forward: dict = field(default_factory=dict)
+    backward: dict | None = None
+    collectives: dict | None = None
 
     @property
     def ok(self) -> bool:
-        return self.rel_err <= self.tolerance and not any(self.mask_mismatches.values())
+        fwd = self.forward
+        ok = fwd["rel_err"] <= fwd["tolerance"] and not any(fwd["mask_mismatches"].values())
+        if "wrong_stream_branch_rel_err" in fwd:
+            ok &= fwd["wrong_stream_branch_rel_err"] >= WRONG_STREAM_FACTOR * fwd["branch_rel_err"]
+        if self.backward is not None:
+            bwd = self.backward
+            ok &= bwd["worst"] <= bwd["tolerance"] and not any(bwd["mask_mismatches"].values())
+        if self.collectives is not None:
+            ok &= all(phase["matches"] for phase in self.collectives.values())
+        return bool(ok)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "ok": self.ok}
 
 
-def oracle_masks(cfg: BlockConfig, rng_seed: int, rng_offset: int, device) -> Masks:
-    """The unsharded run's keep-masks, computed with torch from (seed, offset)
-    alone (dropout.keep_mask): what every rank's fusion must draw a slice of.
-    In bf16 the attention dropout is flash attention's own (flash_replay)."""
-    def draw(stream):
-        return keep_mask(stream_key(rng_seed, rng_offset, stream), cfg.dropout, mask_shape(cfg, stream), device=device)
-    return Masks(resid_attn=draw("resid_attn"), resid_mlp=draw("resid_mlp"),
-                 attn=draw("attn") if cfg.dtype == "fp32" else None)
+def _mask_mismatches(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict[str, int]:
+    """For each keep-mask among `tensors`: how many elements differ from the oracle's slice."""
+    return {name: int((tensors[name] != mask).sum().item()) for name, mask in expected.items() if name in tensors}
 
 
-def _mask_mismatches(tensors: dict[str, torch.Tensor], masks: Masks, layout: Layout, rank: int) -> dict[str, int]:
-    """For each keep-mask among `tensors` (names ending in _keep): how many of its
-    elements differ from this rank's slice of the oracle's mask."""
-    return {name: int((t != local_slice(getattr(masks, name.removesuffix("_keep")), placements(layout)[name],
-                                        layout, rank)).sum().item())
-            for name, t in tensors.items() if name.endswith("_keep")}
+def check(case: Case, rank: int = 0, backward: bool = True, mesh: bool = True, dp_group=None,
+          record_collectives: bool = False, preset_name: str = "") -> RankReport:
+    """Run this rank's fusions on its slices and compare with the reference's.
 
+    The forward is the checking fusion (its masks as outputs); with `backward`,
+    also the training forward and the backward (parameter gradients summed over
+    dp after the fusion, over dp_group). record_collectives: capture what nvFuser
+    posts in each (needs NVFUSER_DUMP=communication set before the process
+    started) and compare it with the plan. Needs torch.distributed initialized
+    when the mesh has several ranks."""
+    cfg, layout = case.cfg, case.layout
+    device = torch.device("cuda", torch.cuda.current_device())
+    exp = expectations(case, rank, device, backward)
+    block = ShardedBlock(cfg, layout, rank, check=True, device=device, mesh=mesh, dp_group=dp_group)
+    block.load_shards([exp[f"param.{n}"] for n in PARAM_NAMES])
+    x, grad_out = exp["x"].to(cfg.torch_dtype), exp["grad_out"].to(cfg.torch_dtype)
+    masks = rank_masks(case, rank, device)
+    report = RankReport(preset_name, cfg.dtype, cfg.dropout, f"{layout.dp}x{layout.tp}", layout.sp, rank)
+    capture = captured_communications if record_collectives else (lambda: nullcontext([]))
+    posted = {}
 
-def _rank_part(t: torch.Tensor, block: ShardedBlock) -> torch.Tensor:
-    """This rank's part of a tensor covering its dp rank's batch slice."""
-    return t.chunk(block.layout.tp, dim=1)[block.tp_rank] if block.layout.sp else t
+    with capture() as posted["forward"]:
+        outs = block(x, case.rng_seed, case.rng_offset)
+    out, xf = outs["out"], exp["x"]
+    report.forward = {"rel_err": rel_l2(out, exp["out"]), "branch_rel_err": rel_l2(out.float() - xf, exp["out"] - xf),
+                      "tolerance": TOLERANCES[cfg.dtype], "mask_mismatches": _mask_mismatches(outs, masks),
+                      "keep_rates": {n: outs[n].float().mean().item() for n in masks}}
+    if "out.wrong_stream" in exp:
+        report.forward["wrong_stream_branch_rel_err"] = rel_l2(out.float() - xf, exp["out.wrong_stream"] - xf)
+
+    if backward:
+        with capture() as posted["training forward"]:
+            named, saved = block.forward_train(x, case.rng_seed, case.rng_offset)
+        with capture() as posted["backward"]:
+            grad_x, grads = block.backward(grad_out, x, saved)
+        errors = {"out": rel_l2(named["out"], exp["out"]), "x": rel_l2(grad_x, exp["grad_x"])}
+        errors |= {n: rel_l2(g, exp[f"grad.{n}"]) for n, g in zip(PARAM_NAMES, grads)}
+        worst = max(errors, key=errors.get)
+        report.backward = {"errors": errors, "worst": errors[worst], "worst_tensor": worst,
+                           "tolerance": GRAD_TOLERANCES[cfg.dtype],
+                           "mask_mismatches": _mask_mismatches(dict(zip(saved_names(cfg), saved)), masks)}
+    if record_collectives:
+        planned = {"forward": collectives(cfg, layout), "training forward": collectives(cfg, layout),
+                   "backward": [c for c in backward_collectives(cfg, layout) if c.axis != DP]}
+        team = [block.dp_rank * layout.tp + t for t in range(layout.tp)]
+        report.collectives = {phase: compare_collectives(posted[phase], planned[phase], team) for phase in posted}
+    return report
 
 
 def check_forward(cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, preset_name: str = "",
-                  rng_seed: int = 1234, rng_offset: int = 0, weight_seed: int = 0) -> CheckResult:
-    """Run this rank's fusion and compare its output with the reference's slice."""
-    if cfg.dropout > 0 and layout.tp > 1 and cfg.dtype == "bf16":
-        raise NotImplementedError("bf16 attention dropout at tp > 1 cannot be checked: flash attention draws "
-                                  "it from each rank's own generator; use fp32 or --dropout 0")
-    device = torch.device("cuda", torch.cuda.current_device())
-    block = ShardedBlock(cfg, layout, rank, check=True, device=device)
-    ref = make_block(cfg, seed=weight_seed)
-    x = make_input(cfg)
-    if cfg.dtype == "bf16":  # the reference sees exactly the values the fusion sees
-        with torch.no_grad():
-            for p in ref.parameters():
-                p.copy_(p.bfloat16().float())
-        x = x.bfloat16().float()
-    block.load(ref.state_dict())
-
-    rng_state = torch.cuda.get_rng_state()
-    outs = block(block.shard_input(x), rng_seed, rng_offset)
-    out = outs["out"]
-
-    masks, attention = None, None
-    if cfg.dropout > 0:
-        masks = oracle_masks(cfg, rng_seed, rng_offset, device)
-        if cfg.dtype == "bf16":
-            attention = flash_replay(cfg.dropout, rng_state)
-    elif cfg.dtype == "bf16":
-        attention = flash_replay(0.0, rng_state)
-    ref = ref.to(device)
-    with torch.no_grad():
-        # The reference sees this dp rank's whole sequences (attention needs
-        # them); under sequence parallelism the rank's output is a slice of it.
-        x_dp = x.chunk(layout.dp, dim=0)[block.dp_rank].to(device)
-        expected = _rank_part(ref(x_dp, masks and masks.batch_slice(layout.dp, block.dp_rank), attention), block)
-
-    x_local = _rank_part(x_dp, block)
-    result = CheckResult(preset_name, cfg.dtype, cfg.dropout, f"{layout.dp}x{layout.tp}", rank,
-                         rel_l2(out, expected), TOLERANCES[cfg.dtype],
-                         rel_l2(out.float() - x_local, expected - x_local))
-    result.mask_mismatches = _mask_mismatches(outs, masks, layout, rank)
-    for name, t in outs.items():
-        if name.endswith("_keep"):
-            result.keep_rates[name] = t.float().mean().item()
-            flat = t.flatten().to(torch.int64)
-            result.mask_digests[name] = int((flat * torch.arange(1, flat.numel() + 1, device=flat.device)).sum() % (1 << 61))
-    if attention is not None:
-        result.notes.append("attention through ATen flash attention, dropout replayed from the CUDA generator")
-    return result
-
-
-# Relative L2 error allowed on every gradient. bf16: gradients pass through
-# several bf16 roundings (activations, matmul outputs) and sums over b*s rows.
-GRAD_TOLERANCES = {"bf16": 2e-2, "fp32": 1e-5}
+                  **seeds) -> RankReport:
+    """The forward alone (check)."""
+    return check(Case(cfg, layout, **seeds), rank, backward=False, preset_name=preset_name)
 
 
 def check_backward(cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, mesh: bool = True,
-                   rng_seed: int = 1234, rng_offset: int = 5, dp_group=None) -> dict:
-    """This rank's gradients (input and every parameter shard) against the
-    matching slices of reference autograd's, with the fusion's dropout masks.
-    Returns {tensor: rel L2 error}. Parameter gradients are summed over dp
-    (after the fusion, over dp_group), so on a dp x 1 mesh each rank's must
-    equal the whole batch's. Raises if a saved dropout mask differs from the oracle's."""
-    from tpfuser.fusion import saved_names
-    from tpfuser.reference import PARAM_NAMES
-    from tpfuser.shard import qkv_heads_interleaved
-    device = torch.device("cuda", torch.cuda.current_device())
-    ref = make_block(cfg)
-    x, grad_out = make_input(cfg), make_input(cfg, seed=2)
-    if cfg.dtype == "bf16":
-        with torch.no_grad():
-            for p in ref.parameters():
-                p.copy_(p.bfloat16().float())
-        x, grad_out = x.bfloat16().float(), grad_out.bfloat16().float()
-    block = ShardedBlock(cfg, layout, rank, check=True, device=device, mesh=mesh,
-                         dp_group=dp_group).load(ref.state_dict())
-    xl, gl = block.shard_input(x), block.shard_input(grad_out)
-    rng_state = torch.cuda.get_rng_state()
-    named, saved = block.forward_train(xl, rng_seed, rng_offset)
-    grad_x, grads = block.backward(gl, xl, saved)
-
-    ref = ref.to(device)
-    masks = oracle_masks(cfg, rng_seed, rng_offset, device) if cfg.dropout > 0 else None
-    # The masks the backward took are the oracle's, bit for bit.
-    for name, wrong in _mask_mismatches(dict(zip(saved_names(cfg), saved)), masks, layout, rank).items():
-        if wrong:
-            raise AssertionError(f"saved dropout mask {name}: {wrong} elements differ from the oracle's")
-    where = placements(layout)
-    attention = flash_replay(cfg.dropout, rng_state) if cfg.dtype == "bf16" else None
-    xr = x.to(device).requires_grad_(True)
-    out = ref(xr, masks, attention)
-    out.backward(grad_out.to(device))
-    errors = {"out": rel_l2(named["out"], local_slice(out.detach(), where["out"], layout, rank)),
-              "x": rel_l2(grad_x, local_slice(xr.grad, where["grad_x"], layout, rank))}
-    ref_grads = dict(ref.named_parameters())
-    for name, g in zip(PARAM_NAMES, grads):
-        r = ref_grads[name].grad
-        if name.startswith("attn.c_attn"):   # the fusion's rows are head by head
-            r = qkv_heads_interleaved(r, cfg.n_head)
-        errors[name] = rel_l2(g, local_slice(r, where[f"grad.{name}"], layout, rank))
-    return errors
+                   dp_group=None, **seeds) -> dict[str, float]:
+    """{tensor: rel L2 error} of this rank's gradients (check); raises if a saved mask differs from the oracle's."""
+    report = check(Case(cfg, layout, **seeds), rank, mesh=mesh, dp_group=dp_group)
+    wrong = {n: c for n, c in report.backward["mask_mismatches"].items() if c}
+    if wrong:
+        raise AssertionError(f"saved dropout masks differ from the oracle's: {wrong}")
+    return report.backward["errors"]

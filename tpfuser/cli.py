@@ -18,9 +18,10 @@ from tpfuser.config import PRESETS, Layout, preset
 NO_GPU = "no CUDA device here: running the fusion needs a CUDA GPU (show and plan work without one)"
 
 
-def _block_args(p: argparse.ArgumentParser) -> None:
+def _block_args(p: argparse.ArgumentParser, several_dtypes: bool = False) -> None:
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: the preset's")
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], nargs="+" if several_dtypes else None,
+                   help="one or more (check) " * several_dtypes + "(default: the preset's)")
     p.add_argument("--dropout", type=float, default=None, help="default: the preset's")
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
@@ -55,35 +56,39 @@ def _cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _check_cfgs(args):
+    """One block config per dtype asked for (check takes several), and the layout."""
+    pairs = [_cfg(argparse.Namespace(**{**vars(args), "dtype": dtype})) for dtype in args.dtype or [None]]
+    return [cfg for cfg, _ in pairs], pairs[0][1]
+
+
 def cmd_check(args) -> int:
-    cfg, layout = _cfg(args)
-    layout.check(cfg)
+    cfgs, layout = _check_cfgs(args)
+    for cfg in cfgs:
+        layout.check(cfg)
+    if args.collectives:   # before nvFuser is imported: it reads its options once
+        import os
+        os.environ["NVFUSER_DUMP"] = ",".join(filter(None, [os.environ.get("NVFUSER_DUMP"), "communication"]))
     if _cuda_count() == 0:
-        print(NO_GPU)
+        print(NO_GPU, file=sys.stderr)
         return 2
     from tpfuser.launch import in_launcher, relaunch
     if layout.world_size > 1 and not in_launcher():
-        return relaunch(layout)
-    from tpfuser.launch import init_rank
-    rank = init_rank(layout)
-    from tpfuser.check import check_forward
-    result = check_forward(cfg, layout, rank, args.preset)
-    verdict = "ok" if result.ok else "FAIL"
-    print(f"rank {rank}: {args.preset} {cfg.dtype} dropout={cfg.dropout} mesh {layout.dp}x{layout.tp}: "
-          f"out rel L2 error {result.rel_err:.2e} (tolerance {result.tolerance:.0e}) {verdict}"
-          + "".join(f"; {k} keep rate {v:.4f}" for k, v in result.keep_rates.items())
-          + (f"; masks equal to the unsharded run's slice: {'yes' if not any(result.mask_mismatches.values()) else 'NO'}"
-             if result.mask_mismatches else ""), flush=True)
-    return 0 if result.ok else 1
+        if args.share_gpu:
+            import torch
+            from tpfuser.launch import check_shared_gpu_fits
+            for cfg in cfgs:
+                check_shared_gpu_fits(cfg, layout, torch.cuda.mem_get_info(0)[0])
+        return relaunch(layout, share_gpu=args.share_gpu)
+    from tpfuser.meshcheck import run_checks
+    return run_checks(cfgs, layout, args)
 
 
 def cmd_main(args) -> int:
     if _cuda_count() > 0:
-        rc = 0
-        for dtype in ("fp32", "bf16"):
-            args.dtype = dtype
-            rc |= cmd_check(args)
-        return rc
+        args.dtype = ["fp32", "bf16"]
+        args.forward_only, args.collectives, args.share_gpu, args.json = False, False, False, None
+        return cmd_check(args)
     cmd_show(args)
     print()
     cmd_plan(args)
@@ -104,9 +109,17 @@ def main(argv=None) -> int:
                           ("check", cmd_check, "check the fusion against the reference on GPU"),
                           ("main", cmd_main, "check on GPUs if any, else show the fusion and plan")):
         p = sub.add_parser(name, help=hlp)
-        _block_args(p)
+        _block_args(p, several_dtypes=name in ("check", "main"))
         if name == "plan":
             p.add_argument("--json", default=None, help="also write the plan as JSON here")
+        if name == "check":
+            p.add_argument("--forward-only", action="store_true", help="skip the training forward and backward")
+            p.add_argument("--collectives", action="store_true",
+                           help="also compare the collectives nvFuser posts with the plan's (NVFUSER_DUMP=communication)")
+            p.add_argument("--share-gpu", action="store_true",
+                           help="run dp*tp ranks on fewer GPUs (several ranks per GPU, through NCCL's socket "
+                                "transport): for checking a layout, not for timing")
+            p.add_argument("--json", default=None, help="also write every rank's results here (rank 0 writes)")
         p.set_defaults(fn=fn)
     # Listed for --help only: `bench` is dispatched above, with its own options.
     sub.add_parser("bench", help="benchmark against the peers (see: tpfuser bench --help)")

@@ -4,10 +4,13 @@ error that says what went wrong."""
 
 from __future__ import annotations
 
+import ctypes
+import math
+import os
 import re
-
-from tpfuser.config import BlockConfig, Layout
-from tpfuser.plan import backward_collectives, collectives
+import sys
+import tempfile
+from contextlib import contextmanager
 
 
 def parse_communication_log(text: str) -> list[dict]:
@@ -26,15 +29,43 @@ def parse_communication_log(text: str) -> list[dict]:
     return posted
 
 
-def compare_first(posted: list[dict], cfg: BlockConfig, layout: Layout, backward: bool = False) -> dict:
-    """Does the first posted collective match the plan's first (kind, tp team, produced shape)?
-    With two ranks on one GPU, NCCL refuses after the first, so only it can be seen."""
-    planned = backward_collectives(cfg, layout) if backward else collectives(cfg, layout)
-    plan = [{"kind": c.kind, "axis": c.axis, "shape": list(c.shape)} for c in planned]
-    first = posted[0] if posted else None
-    match = bool(first) and first["kind"] == plan[0]["kind"] and first["team"] == list(range(layout.tp)) \
-        and first["shapes"].get("output") == plan[0]["shape"]
-    return {"posted": posted, "planned": plan, "first_matches_plan": match}
+def compare_collectives(posted: list[dict], planned, team: list[int]) -> dict:
+    """Are the posted collectives the planned ones, in order: the same kind, the
+    same number of elements (of the larger of input and output: the unsharded
+    tensor), each over `team` (the rank's tp row: none over dp)?"""
+    want = [{"kind": c.kind, "numel": math.prod(c.shape)} for c in planned]
+    got = [{"kind": p["kind"], "team": p["team"],
+            "numel": max(math.prod(p["shapes"].get(k, [0])) for k in ("input", "output"))} for p in posted]
+    matches = len(got) == len(want) and all(
+        g["kind"] == w["kind"] and g["numel"] == w["numel"] and g["team"] == team for g, w in zip(got, want))
+    return {"planned": want, "posted": got, "matches": matches}
+
+
+@contextmanager
+def captured_communications():
+    """Yields a list that, after the body, holds the collectives nvFuser posted
+    in it (parse_communication_log of what NVFUSER_DUMP=communication printed).
+    The process's stdout and stderr go to a file meanwhile; what is not a
+    posted collective is written back to stdout afterwards."""
+    posted: list[dict] = []
+    libc = ctypes.CDLL(None)
+    sys.stdout.flush(), sys.stderr.flush(), libc.fflush(None)
+    saved = [os.dup(1), os.dup(2)]
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 1), os.dup2(tmp.fileno(), 2)
+        try:
+            yield posted
+        finally:
+            sys.stdout.flush(), sys.stderr.flush(), libc.fflush(None)
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+            os.close(saved[0]), os.close(saved[1])
+            tmp.seek(0)
+            text = tmp.read().decode(errors="replace")
+            posted.extend(parse_communication_log(text))
+            rest = "".join(line + "\n" for line in text.splitlines() if "Posting Communication" not in line)
+            if rest:
+                sys.stdout.write(rest)
+                sys.stdout.flush()
 
 
 ERROR_MARKS = ("ASSERT FAILED", "Error from segmentation group", "NCCL error")

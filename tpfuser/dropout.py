@@ -101,3 +101,18 @@ def keep_mask(key: int, p: float, shape, starts=None, global_shape=None, device=
     if math.prod(global_shape) >= 1 << 62:
         raise ValueError(f"{global_shape}: too many elements for 62-bit positions")
     return hash_positions(global_index(shape, starts, global_shape, device), key) < keep_threshold(p)
+
+
+def flash_seed(seed: int, offset: int, dp_rank: int, tp_rank: int) -> int:
+    """The philox seed of flash attention's dropout (bf16) on one rank, for one call.
+
+    Flash attention draws its mask from ATen's CUDA generator, indexed by the
+    rank's local (batch, head, row, column): two tp ranks holding different
+    heads, or two dp ranks holding different rows, would draw the same mask
+    from the same seed. Megatron-LM gives each tensor-parallel rank its own
+    stream for this (its model-parallel RNG tracker); here the seed is a hash
+    of (seed, offset, dp rank, tp rank), so that any process can replay any
+    rank's mask (check.py does) and no state is carried between calls.
+    """
+    key = stream_key(seed, offset, "attn")
+    return mix32(mix32(key & M32 ^ dp_rank) ^ tp_rank) << 31 | (key >> 32) & 0x7FFFFFFF

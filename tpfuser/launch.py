@@ -8,6 +8,7 @@ its TCP store; we derive those from torchrun's MASTER_ADDR / MASTER_PORT.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -84,29 +85,70 @@ def rank_groups(layout: Layout, rank: int):
     return SimpleNamespace(tp=mesh.get_group("tp"), dp=mesh.get_group("dp"), tp_mesh=mesh["tp"])
 
 
-def torchrun_command(layout: Layout, argv: list[str], environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+def torchrun_command(layout: Layout, argv: list[str], environ: dict[str, str],
+                     shared_gpus: int = 0) -> tuple[list[str], dict[str, str]]:
     """The command and environment that re-run `tpfuser argv` under torchrun on this node.
-    The world of one that fusion.py may have described for this process is dropped."""
+    The world of one that fusion.py may have described for this process is dropped.
+    shared_gpus > 0: the ranks share that many GPUs (tpfuser.sharegpu sets each rank up)."""
+    from tpfuser.sharegpu import SHARED_GPU_MARK
     env = {k: v for k, v in environ.items()
            if k not in ("TPFUSER_SINGLE_PROCESS", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                        "NVFUSER_MASTER_ADDR", "NVFUSER_MASTER_PORT")}
+                        "NVFUSER_MASTER_ADDR", "NVFUSER_MASTER_PORT", SHARED_GPU_MARK)}
+    module = "tpfuser.cli"
+    if shared_gpus:
+        env[SHARED_GPU_MARK] = str(shared_gpus)
+        module = "tpfuser.sharegpu"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={layout.world_size}", "-m", "tpfuser.cli", *argv]
+           f"--nproc-per-node={layout.world_size}", "-m", module, *argv]
     return cmd, env
 
 
-def relaunch(layout: Layout, argv: list[str] | None = None) -> int:
+def relaunch(layout: Layout, argv: list[str] | None = None, share_gpu: bool = False) -> int:
     """Re-run this command (`tpfuser argv`, default this process's) under
-    torchrun with dp*tp local ranks; refuse when this machine has fewer GPUs."""
+    torchrun with dp*tp local ranks; refuse when this machine has fewer GPUs,
+    unless share_gpu (the ranks then share the GPUs there are: tpfuser.sharegpu)."""
     import torch
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus < layout.world_size:
+    if gpus == 0 or (gpus < layout.world_size and not share_gpu):
         raise ValueError(f"a {layout.dp}x{layout.tp} mesh needs {layout.world_size} GPUs, one per rank; "
-                         f"this machine has {gpus}")
-    cmd, env = torchrun_command(layout, sys.argv[1:] if argv is None else argv, dict(os.environ))
+                         f"this machine has {gpus}" + ("; --share-gpu runs the ranks on fewer GPUs "
+                                                      "(for checking, not timing)" if gpus else ""))
+    cmd, env = torchrun_command(layout, sys.argv[1:] if argv is None else argv, dict(os.environ),
+                                shared_gpus=min(gpus, layout.world_size) if share_gpu else 0)
     try:
         return subprocess.run(cmd, timeout=RUN_TIMEOUT_S, env=env).returncode
     except subprocess.TimeoutExpired:
         print(f"error: the {layout.world_size}-rank run did not finish in {RUN_TIMEOUT_S} s "
               f"(a rank may have died; set TPFUSER_TIMEOUT_S to change the bound)", file=sys.stderr)
         return 124
+
+
+def shared_gpu_bytes(cfg, layout: Layout) -> int:
+    """GPU memory a --share-gpu check of cfg on this mesh needs, all ranks on one
+    GPU (an estimate): every rank's CUDA context and communicators, its weights,
+    gradients and saved activations a few times over, and rank 0's float32
+    reference of the whole block (weights, gradients, activations)."""
+    from tpfuser.plan import PARAM_PLACEMENTS, local_shape, saved_bytes_per_rank
+    from tpfuser.reference import param_shapes
+    shapes = param_shapes(cfg)
+    total = sum(math.prod(s) for s in shapes.values())
+    local = sum(math.prod(local_shape(s, PARAM_PLACEMENTS[n], layout)) for n, s in shapes.items())
+    rows = cfg.batch * cfg.seq
+    per_rank = RANK_CONTEXT_BYTES + local * (3 * cfg.torch_dtype.itemsize + 8) + 3 * saved_bytes_per_rank(cfg, layout)
+    oracle = 16 * total + 4 * rows * cfg.n_embd * 40
+    if cfg.dtype == "fp32":   # the written-out attention's [b, h, s, s] probabilities, a few of them
+        oracle += 4 * cfg.batch * cfg.n_head * cfg.seq * cfg.seq * 6
+    return layout.world_size * per_rank + oracle
+
+
+# A rank's CUDA context, nvFuser's and NCCL's buffers (about 0.6 GiB seen per process on the H200).
+RANK_CONTEXT_BYTES = 1 << 30
+
+
+def check_shared_gpu_fits(cfg, layout: Layout, free_bytes: int) -> None:
+    """Refuse a --share-gpu run that the GPU's free memory cannot hold."""
+    need = shared_gpu_bytes(cfg, layout)
+    if need > free_bytes:
+        raise ValueError(f"--share-gpu: {layout.world_size} ranks of this block need about {need / 2**30:.1f} GiB "
+                         f"of GPU memory (estimated), the GPU has {free_bytes / 2**30:.1f} GiB free; "
+                         f"use fewer ranks or a smaller preset")

@@ -130,20 +130,23 @@ class Block(nn.Module):
         return [state[name].detach() for name in PARAM_NAMES]
 
 
-def make_block(cfg: BlockConfig, seed: int = 0, dtype=torch.float32, device="cpu") -> Block:
+def make_block(cfg: BlockConfig, seed: int = 0, dtype=torch.float32, device="cpu", drawn_on="cpu") -> Block:
     """A reference block with GPT-2-like random weights (std 0.02; LayerNorm
-    weights and all biases perturbed so that none of them is trivially 1 or 0)."""
-    gen = torch.Generator().manual_seed(seed)
-    block = Block(cfg)
+    weights and all biases perturbed so that none of them is trivially 1 or 0).
+    The weights are drawn by a generator on `drawn_on` (a CUDA device draws
+    gpt3's 1.8 G weights in a blink; its numbers differ from the CPU's)."""
+    gen = torch.Generator(drawn_on).manual_seed(seed)
+    with torch.device(drawn_on):
+        block = Block(cfg)
     with torch.no_grad():
         for name, p in block.named_parameters():
             if name.startswith("ln_") and name.endswith("weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen, device=drawn_on))
             else:
-                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen, device=drawn_on))
     return block.to(device=device, dtype=dtype)
 
 
-def make_input(cfg: BlockConfig, seed: int = 1, dtype=torch.float32, device="cpu") -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(cfg.batch, cfg.seq, cfg.n_embd, generator=gen).to(device=device, dtype=dtype)
+def make_input(cfg: BlockConfig, seed: int = 1, dtype=torch.float32, device="cpu", drawn_on="cpu") -> torch.Tensor:
+    gen = torch.Generator(drawn_on).manual_seed(seed)
+    return torch.randn(cfg.batch, cfg.seq, cfg.n_embd, generator=gen, device=drawn_on).to(device=device, dtype=dtype)

@@ -10,12 +10,13 @@ them, so a wrong shape, dtype or device is a ValueError that names the tensor.
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from typing import Optional
 
 import torch
 
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.dropout import STREAMS, stream_key
+from tpfuser.dropout import STREAMS, flash_seed, stream_key
 from tpfuser.fusion import MASK_STARTS, build_backward, build_forward, rng_input_names, saved_names
 from tpfuser.plan import PARAM_PLACEMENTS, local_shape, placements
 from tpfuser.reference import PARAM_NAMES, param_shapes
@@ -42,6 +43,19 @@ def dropout_scalars(cfg: BlockConfig, layout: Layout, rank: int, rng_seed: int, 
             if name and values.setdefault(name, start) != start:
                 raise AssertionError(f"{name}: {stream} starts at {start}, another mask at {values[name]}")
     return values
+
+
+@contextmanager
+def seeded_cuda_generator(device: torch.device, seed: int):
+    """Run the body with `device`'s default CUDA generator at (seed, offset 0);
+    restore the generator's state after it."""
+    gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    state = gen.get_state()
+    gen.manual_seed(seed)
+    try:
+        yield
+    finally:
+        gen.set_state(state)
 
 
 def check_world(layout: Layout, world_size: int, local_gpus: Optional[int] = None, local_ranks: Optional[int] = None) -> None:
@@ -136,6 +150,14 @@ class ShardedBlock:
         values = dropout_scalars(self.cfg, self.layout, self.rank, rng_seed, rng_offset)
         return [values[name] for name in rng_input_names(self.cfg)]
 
+    def _attention_stream(self, rng_seed: int, rng_offset: int):
+        """Around a forward fusion: flash attention's dropout (bf16) draws this
+        rank's own stream (dropout.flash_seed), and the caller's CUDA generator
+        is left as it was. A no-op where the fusion draws no flash dropout."""
+        if self.cfg.dtype != "bf16" or self.cfg.dropout == 0:
+            return nullcontext()
+        return seeded_cuda_generator(self.device, flash_seed(rng_seed, rng_offset, self.dp_rank, self.tp_rank))
+
     def _checked_params(self, params) -> list[torch.Tensor]:
         if params is None:
             if self._params is None:
@@ -148,7 +170,8 @@ class ShardedBlock:
         ('out', and with check=True the keep-masks of the dropouts)."""
         params = self._checked_params(None)
         self._validate("x", x, self.input_shape())
-        outs = self.fusion.fd.execute([x.contiguous(), *params, *self._rng_inputs(rng_seed, rng_offset)])
+        with self._attention_stream(rng_seed, rng_offset):
+            outs = self.fusion.fd.execute([x.contiguous(), *params, *self._rng_inputs(rng_seed, rng_offset)])
         return dict(zip(self.output_names, outs))
 
     # -- training ---------------------------------------------------------
@@ -158,7 +181,8 @@ class ShardedBlock:
         self._validate("x", x, self.input_shape())
         if self._train_fusion is None:
             self._train_fusion = build_forward(self.cfg, self._mesh_layout, check=self.check, train=True)
-        outs = self._train_fusion.fd.execute([x.contiguous(), *params, *self._rng_inputs(rng_seed, rng_offset)])
+        with self._attention_stream(rng_seed, rng_offset):
+            outs = self._train_fusion.fd.execute([x.contiguous(), *params, *self._rng_inputs(rng_seed, rng_offset)])
         named = dict(zip(self._train_fusion.outputs, outs))
         saved = [named.pop(name) for name in saved_names(self.cfg)]
         return named, saved

@@ -1,0 +1,69 @@
+"""The checker's oracle, on the CPU (fp32: no flash attention): every rank's
+slices of the one reference run reassemble into it, and the masks a rank is
+checked against are its slices of the unsharded masks."""
+import pytest
+import torch
+
+from tpfuser.check import Case, RankReport, oracle_masks, rank_masks, rank_slices, reference
+from tpfuser.config import Layout, preset
+from tpfuser.plan import placements
+from tpfuser.runtime import MASKED
+from tpfuser.shard import gather
+
+LAYOUTS = [Layout(1, 1), Layout(2, 2), Layout(1, 4, sp=True), Layout(2, 4, sp=True)]
+
+
+@pytest.fixture(scope="module")
+def tiny_reference():
+    case = Case(preset("tiny", dtype="fp32"))
+    return reference(case, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_rank_slices_reassemble_the_reference(tiny_reference, layout):
+    case = Case(preset("tiny", dtype="fp32"), layout)
+    ranks = [rank_slices(tiny_reference, case, r) for r in range(layout.world_size)]
+    where = placements(layout)
+    for name in ("x", "grad_out", "out", "grad_x", "grad.attn.c_attn.weight", "grad.mlp.c_proj.weight"):
+        assert torch.equal(gather([r[name] for r in ranks], where[name], layout), tiny_reference[name]), name
+    # the parameters a rank gets are its shards of the fusion's (heads interleaved) weights
+    assert torch.equal(gather([r["param.attn.c_attn.weight"] for r in ranks], where["attn.c_attn.weight"], layout),
+                       tiny_reference["param.attn.c_attn.weight"])
+
+
+def test_the_reference_backward_is_the_block_autograd(tiny_reference):
+    # grad_x is the upstream gradient (the residual path) plus the branches' part: 3% here (weights of std 0.02)
+    branches = (tiny_reference["grad_x"] - tiny_reference["grad_out"]).norm() / tiny_reference["grad_out"].norm()
+    assert 0.01 < branches < 0.1
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_rank_masks_are_slices_of_the_unsharded_masks(layout):
+    case = Case(preset("tiny", dtype="fp32"), layout, rng_offset=3)
+    full = oracle_masks(case, "cpu")
+    where = placements(layout)
+    for stream, name in MASKED.items():
+        parts = [rank_masks(case, r, "cpu")[name] for r in range(layout.world_size)]
+        assert torch.equal(gather(parts, where[name], layout), getattr(full, stream)), name
+
+
+def test_bf16_ranks_are_checked_against_flash_attention_not_a_hash_mask():
+    case = Case(preset("tiny", dtype="bf16"), Layout(1, 2))
+    assert "attn_keep" not in rank_masks(case, 0, "cpu")
+    assert case.has_wrong_stream_control and not Case(preset("tiny", dtype="bf16", dropout=0.0)).has_wrong_stream_control
+
+
+def _report(**forward):
+    base = {"rel_err": 1e-8, "branch_rel_err": 1e-3, "tolerance": 1e-5, "mask_mismatches": {"m": 0}}
+    return RankReport("tiny", "bf16", 0.1, "1x2", False, 0, forward={**base, **forward})
+
+
+def test_a_rank_fails_on_error_masks_or_a_vacuous_wrong_stream_control():
+    assert _report().ok
+    assert not _report(rel_err=2e-5).ok
+    assert not _report(mask_mismatches={"m": 1}).ok
+    assert _report(wrong_stream_branch_rel_err=6e-3).ok
+    assert not _report(wrong_stream_branch_rel_err=4e-3).ok      # the wrong streams were not told apart
+    r = _report()
+    r.collectives = {"forward": {"matches": False}}
+    assert not r.ok

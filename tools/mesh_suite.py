@@ -1,0 +1,127 @@
+"""Every mesh checked to the end on the GPUs there are: `tpfuser check --share-gpu
+--collectives` for each (preset, mesh, sp) below, several at once, forward and
+backward, each case's ranks against slices of the one reference, with the
+collectives nvFuser posted compared with the plan's.
+
+    python3 tools/mesh_suite.py OUT_DIR [GROUP ...]     (groups: tiny nanogpt gpt3, or job names; default all)
+
+Writes OUT_DIR/<preset>_<dp>x<tp>[_sp].json (tpfuser check --json) and .log per
+job, then OUT_DIR/mesh_summary.json and a table. Jobs run at once while their
+ranks fit in RANKS_AT_ONCE and their estimated GPU memory (launch.shared_gpu_bytes)
+in the GPU's free memory; each is bounded by JOB_S seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from tpfuser.config import Layout, preset
+from tpfuser.launch import shared_gpu_bytes
+
+TINY_MESHES = [(2, 1), (1, 2), (2, 2), (1, 4), (2, 4), (1, 8)]
+JOBS = {
+    "tiny": [("tiny", dp, tp, sp, ["fp32", "bf16"]) for dp, tp in TINY_MESHES for sp in (False, True)],
+    "nanogpt": [("nanogpt", 1, 5, False, ["fp32", "bf16"]), ("nanogpt", 2, 1, False, ["fp32", "bf16"])],
+    "gpt3": [("gpt3", 1, 8, False, ["bf16"]), ("gpt3", 1, 8, True, ["bf16"])],
+}
+RANKS_AT_ONCE = int(os.environ.get("RANKS_AT_ONCE", "24"))
+JOB_S = int(os.environ.get("JOB_S", "480"))
+
+
+def job_name(name, dp, tp, sp) -> str:
+    return f"{name}_{dp}x{tp}{'_sp' if sp else ''}"
+
+
+def main(out: str, groups: list[str]) -> int:
+    import torch
+    os.makedirs(out, exist_ok=True)
+    free = torch.cuda.mem_get_info(0)[0] * 0.9
+    every = [job for jobs in JOBS.values() for job in jobs]
+    todo = [job for job in every if job[0] in groups or job_name(*job[:4]) in groups]
+    todo.sort(key=lambda j: -j[1] * j[2])   # the widest first
+    running, done = [], {}
+    start = time.time()
+    while todo or running:
+        for job in list(todo):
+            name, dp, tp, sp, dtypes = job
+            need = max(shared_gpu_bytes(preset(name, dtype=d), Layout(dp, tp, sp)) for d in dtypes)
+            ranks = sum(j[0][1] * j[0][2] for j in running)
+            used = sum(j[2] for j in running)
+            if running and (ranks + dp * tp > RANKS_AT_ONCE or used + need > free):
+                continue
+            tag = job_name(name, dp, tp, sp)
+            cmd = [sys.executable, "-m", "tpfuser.cli", "check", "--preset", name, "--dp", str(dp), "--tp", str(tp),
+                   "--dtype", *dtypes, "--collectives", "--share-gpu", "--json", os.path.join(out, tag + ".json")]
+            if sp:
+                cmd.append("--sp")
+            log = open(os.path.join(out, tag + ".log"), "w")
+            env = {**os.environ, "TPFUSER_TIMEOUT_S": str(JOB_S)}
+            env.pop("NVFUSER_MASTER_PORT", None)   # each job's own, next to its torchrun port
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            running.append((job, proc, need, time.time(), log))
+            todo.remove(job)
+            print(f"[{time.time() - start:5.0f} s] started {tag} ({dp * tp} ranks)", flush=True)
+        time.sleep(2)
+        for entry in list(running):
+            job, proc, _, t0, log = entry
+            if proc.poll() is None:
+                continue
+            log.close()
+            running.remove(entry)
+            tag = job_name(*job[:4])
+            done[tag] = {"rc": proc.returncode, "seconds": round(time.time() - t0, 1)}
+            print(f"[{time.time() - start:5.0f} s] {tag}: exit {proc.returncode} after {done[tag]['seconds']} s",
+                  flush=True)
+    summary = {}
+    for tag, status in done.items():
+        path = os.path.join(out, tag + ".json")
+        report = json.load(open(path)) if os.path.exists(path) else None
+        summary[tag] = {**status, **(summarize(report) if report else {"ok": False, "error": "no report"})}
+    with open(os.path.join(out, "mesh_summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(format_summary(summary))
+    return 0 if all(s["ok"] for s in summary.values()) else 1
+
+
+def summarize(report: dict) -> dict:
+    """Per dtype: ranks passed, worst output and gradient errors, masks, collectives."""
+    out = {"ok": report["ok"], "environment": report["environment"], "cases": {}}
+    for case in report["cases"]:
+        ranks = case["ranks"]
+        fine = [r for r in ranks if "error" not in r]
+        out["cases"][case["dtype"]] = {
+            "ranks_ok": sum(r["ok"] for r in ranks), "ranks": len(ranks),
+            "worst_out": max((r["forward"]["rel_err"] for r in fine), default=None),
+            "worst_grad": max((r["backward"]["worst"] for r in fine if r["backward"]), default=None),
+            "wrong_stream_min": min((r["forward"]["wrong_stream_branch_rel_err"] for r in fine
+                                     if "wrong_stream_branch_rel_err" in r["forward"]), default=None),
+            "masks_equal": all(not any({**r["forward"]["mask_mismatches"],
+                                        **(r["backward"] or {}).get("mask_mismatches", {})}.values()) for r in fine),
+            "collectives_match": all(all(p["matches"] for p in (r["collectives"] or {}).values()) for r in fine),
+            "errors": sorted({r["error"][:200] for r in ranks if "error" in r}),
+        }
+    return out
+
+
+def format_summary(summary: dict) -> str:
+    lines = [f"{'job':18} {'dtype':5} {'ranks ok':>8} {'out err':>8} {'grad err':>8} {'masks':>6} {'colls':>5} {'s':>5}"]
+    for tag, s in sorted(summary.items()):
+        if "cases" not in s:
+            lines.append(f"{tag:18} exit {s['rc']}: {s.get('error')}")
+            continue
+        for dtype, c in s["cases"].items():
+            def f(x):
+                return "-" if x is None else f"{x:.1e}"
+            lines.append(f"{tag:18} {dtype:5} {c['ranks_ok']:>3}/{c['ranks']:<4} {f(c['worst_out']):>8} "
+                         f"{f(c['worst_grad']):>8} {'equal' if c['masks_equal'] else 'DIFF':>6} "
+                         f"{'plan' if c['collectives_match'] else 'DIFF':>5} {s['seconds']:5.0f}"
+                         + (f"  {c['errors'][0][:120]}" if c["errors"] else ""))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2:] or list(JOBS)))

@@ -1,0 +1,116 @@
+"""`tpfuser check` on every rank of a mesh: the process world, the checks of
+check.py for each dtype, every rank's results gathered on rank 0, a table, JSON.
+
+Under a launcher (torchrun, mpirun, or `--share-gpu`'s torchrun) each process
+is one rank; alone, the process is the 1x1 mesh. A case that raises on a rank is
+reported as failed with its error; the run goes on to the next case.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import torch
+
+from tpfuser.commlog import error_line
+from tpfuser.config import BlockConfig, Layout
+from tpfuser.sharegpu import SHARED_GPU_MARK
+
+
+def environment() -> dict:
+    """Where the results come from: date, GPU, versions, command, commit."""
+    import nvfuser_direct
+    commit = os.environ.get("TPFUSER_COMMIT")
+    if commit is None:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    cwd=os.path.dirname(__file__), timeout=10).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            commit = None
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name(), "gpus_shared": int(os.environ.get(SHARED_GPU_MARK, "0")),
+            "torch": torch.__version__, "nvfuser": getattr(nvfuser_direct, "__version__", "?"),
+            "python": platform.python_version(), "command": "tpfuser " + " ".join(sys.argv[1:]), "commit": commit}
+
+
+def _check_case(cfg: BlockConfig, layout: Layout, rank: int, args, dp_group) -> dict:
+    from tpfuser.check import Case, check
+    try:
+        report = check(Case(cfg, layout), rank, backward=not args.forward_only, dp_group=dp_group,
+                       record_collectives=args.collectives, preset_name=args.preset)
+        return report.as_dict()
+    except Exception as e:   # reported, and the next case runs
+        return {"preset": args.preset, "dtype": cfg.dtype, "dropout": cfg.dropout, "rank": rank, "ok": False,
+                "error": error_line(e, context=2)}
+
+
+def run_checks(cfgs: list[BlockConfig], layout: Layout, args) -> int:
+    """Check every case on this rank; rank 0 prints every rank's results and
+    writes them to args.json. Exit code 0 when every rank passed every case."""
+    from tpfuser.launch import dp_group, init_rank
+    rank = init_rank(layout)
+    group = None
+    if layout.world_size > 1:
+        import torch.distributed as dist
+        if not dist.is_initialized():   # gloo: barriers, gathers and the dp gradient sum, apart from nvFuser's NCCL
+            dist.init_process_group("gloo")
+        group = dp_group(layout, rank) if layout.dp > 1 else None
+    mine = [_check_case(cfg, layout, rank, args, group) for cfg in cfgs]
+    every = [mine]
+    if layout.world_size > 1:
+        every = [None] * layout.world_size
+        dist.gather_object(mine, every if rank == 0 else None, dst=0)
+    ok = True
+    if rank == 0:
+        cases = [{"dtype": cfg.dtype, "dropout": cfg.dropout, "ranks": [ranks[i] for ranks in every]}
+                 for i, cfg in enumerate(cfgs)]
+        ok = all(r["ok"] for case in cases for r in case["ranks"])
+        report = {"environment": environment(), "preset": args.preset, "mesh": f"{layout.dp}x{layout.tp}",
+                  "sp": layout.sp, "config": [cfg.__dict__ for cfg in cfgs], "cases": cases, "ok": ok}
+        print(format_checks(report), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+    if layout.world_size > 1:
+        flag = [ok]
+        dist.broadcast_object_list(flag, src=0)
+        ok = flag[0]
+        dist.barrier()
+    return 0 if ok else 1
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
+def format_checks(report: dict) -> str:
+    """One line a rank and case: errors against tolerances, masks, collectives."""
+    env = report["environment"]
+    lines = [f"check {report['preset']} mesh {report['mesh']}{' +sp' if report['sp'] else ''} on {env['gpu']}"
+             + (f" ({env['gpus_shared']} GPU shared by all ranks: timings here are not speed figures)"
+                if env["gpus_shared"] else ""),
+             f"{'dtype':5} {'p':>4} {'rank':>4} {'out err':>8} {'tol':>6} {'branch':>8} {'wrong-stream':>12} "
+             f"{'grad worst':>10} {'tol':>6} {'masks':>6} {'collectives':>11}  verdict"]
+    for case in report["cases"]:
+        for r in case["ranks"]:
+            head = f"{case['dtype']:5} {case['dropout']:4.2f} {r['rank']:4d}"
+            if "error" in r:
+                lines.append(f"{head} FAILED: {r['error'][:300]}")
+                continue
+            fwd, bwd, coll = r["forward"], r["backward"], r["collectives"]
+            wrong = sum(fwd["mask_mismatches"].values()) + sum((bwd or {}).get("mask_mismatches", {}).values())
+            masks = "-" if not fwd["mask_mismatches"] else "equal" if wrong == 0 else f"{wrong} off"
+            colls = "-" if coll is None else " ".join(
+                f"{len(ph['posted'])}/{len(ph['planned'])}" + ("" if ph["matches"] else "!") for ph in coll.values())
+            lines.append(f"{head} {_fmt(fwd['rel_err']):>8} {fwd['tolerance']:6.0e} {_fmt(fwd['branch_rel_err']):>8} "
+                         f"{_fmt(fwd.get('wrong_stream_branch_rel_err')):>12} "
+                         f"{_fmt(bwd and bwd['worst']):>10} {_fmt(bwd and bwd['tolerance']):>6} {masks:>6} {colls:>11}  "
+                         + ("ok" if r["ok"] else "FAIL"))
+    lines.append("collectives: posted/planned per fusion (forward, training forward, backward); ! = differs from the plan")
+    lines.append("all ranks within tolerance" if report["ok"] else "SOME RANK FAILED")
+    return "\n".join(lines)

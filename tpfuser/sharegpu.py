@@ -1,0 +1,47 @@
+"""One rank of a job with more ranks than GPUs (`tpfuser check --share-gpu`).
+
+torchrun starts `python -m tpfuser.sharegpu ARGS` for every rank; this sets,
+before anything imports torch or nvFuser, what lets several ranks use one GPU,
+then runs `python -m tpfuser.cli ARGS` in its place:
+- NCCL_HOSTID, different on every rank: NCCL refuses two ranks on one GPU of
+  one host ("Duplicate GPU detected"); ranks of different hosts it connects
+  through its socket transport, here over loopback (NCCL_SOCKET_IFNAME=lo).
+- LOCAL_RANK (the GPU) = local rank modulo the GPUs the launcher saw, and
+  LOCAL_WORLD_SIZE = 1: each rank believes it is alone on its node.
+- nvFuser's store is served by rank 0 alone: NVFUSER_MASTER_ADDR "localhost"
+  for it, "127.0.0.1" for the others (each rank is its node's local rank 0, and
+  nvFuser's Communicator would otherwise start a server in every one); its port
+  next to torchrun's, so that several jobs can run at once.
+For correctness only: the ranks time-share the GPU and their bytes go through
+host sockets, so their timings say nothing about one GPU per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+SHARED_GPU_MARK = "TPFUSER_SHARED_GPUS"   # set by the launcher: how many GPUs the ranks share
+
+
+def rank_environment(environ: dict[str, str]) -> dict[str, str]:
+    """The environment of one rank, from torchrun's (RANK, LOCAL_RANK, MASTER_PORT)."""
+    env = dict(environ)
+    rank, local_rank = env.get("RANK", "0"), int(env.get("LOCAL_RANK", "0"))
+    gpus = max(1, int(env.get(SHARED_GPU_MARK, "1")))
+    env.update(NCCL_HOSTID=f"tpfuser-shared-gpu-rank-{rank}", NCCL_IB_DISABLE="1", NCCL_NVLS_ENABLE="0",
+               LOCAL_RANK=str(local_rank % gpus), LOCAL_WORLD_SIZE="1",
+               NVFUSER_MASTER_ADDR="localhost" if rank == "0" else "127.0.0.1")
+    env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if "NVFUSER_MASTER_PORT" not in env and "MASTER_PORT" in env:
+        env["NVFUSER_MASTER_PORT"] = str(int(env["MASTER_PORT"]) + 1)
+    return env
+
+
+def main() -> None:
+    os.execve(sys.executable, [sys.executable, "-m", "tpfuser.cli", *sys.argv[1:]], rank_environment(dict(os.environ)))
+
+
+if __name__ == "__main__":
+    main()
