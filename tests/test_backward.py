@@ -96,8 +96,8 @@ def test_backward_runs_on_the_ranks_tp_row():
     from tpfuser.fusion import build_backward, loop_sharding
     cfg = preset("tiny")
     row1 = build_backward(cfg, Layout(2, 2), dp_rank=1)
-    mesh, axes = loop_sharding(row1.inputs["qkv"])
-    assert mesh == "DeviceMesh{2 3}" and axes == [("", 2), ("", 16), ("mesh_x", 2), ("", 96)]
+    mesh, axes = loop_sharding(row1.inputs["q"])
+    assert mesh == "DeviceMesh{2 3}" and axes == [("", 2), ("mesh_x", 2), ("", 4), ("", 16), ("", 8)]   # [b/dp, h, s, d]
     assert loop_sharding(row1.outputs["grad.mlp.c_fc.weight"]) == ("DeviceMesh{2 3}", [("mesh_x", 2), ("", 128), ("", 64)])
     row0 = build_backward(cfg, Layout(2, 2), dp_rank=0)   # kept: its TensorViews die with it
     assert loop_sharding(row0.inputs["x"])[0] == "DeviceMesh{0 1}"

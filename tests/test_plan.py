@@ -52,7 +52,7 @@ def test_saved_for_backward_bytes_by_hand():
     from tpfuser.plan import saved_bytes_per_rank
     cfg = preset("tiny", dtype="fp32")   # rows b*s = 64, e = 64, fp32: no flash-attention state
     stats, x, x1 = 4 * 64 * 4, 64 * 64 * 4, 64 * 64 * 4
-    qkv, mlp_h = 64 * 192 * 4, 64 * 256 * 4
+    qkv, mlp_h = 64 * 192 * 4, 64 * 256 * 4   # q, k, v: 3 x [4, 8, 16, 8], as many elements as qkv
     masks, attn_mask = 2 * 64 * 64, 4 * 8 * 16 * 16   # bool: the two residual dropouts, the attention's [b, h, s, s]
     assert saved_bytes_per_rank(cfg, Layout(1, 1)) == stats + x + x1 + qkv + mlp_h + masks + attn_mask
     assert saved_bytes_per_rank(cfg, Layout(1, 2)) == stats + x + x1 + qkv // 2 + mlp_h // 2 + masks + attn_mask // 2

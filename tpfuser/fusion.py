@@ -189,13 +189,20 @@ def saved_names(cfg: BlockConfig) -> list[str]:
 
 
 def _split_heads(fd, qkv, cfg):
-    """(b, s, 3e) with rows ordered [h, 3, d] -> q, k, v each (b, h, s, d)."""
+    """(b, s, 3e) with rows ordered [h, 3, d] -> q, k, v each (b, h, s, d), each
+    written out by a kernel of its own (the multiplication by one), not left a
+    strided view of qkv: with one head per rank nvFuser 0.2.36 misreads such a
+    view's strides (its size-1 head axis between the sequence and the head dim;
+    NOTES.md has the reproducer)."""
     b, s, h, d = cfg.batch, cfg.seq, cfg.n_head, cfg.head_dim
     # Reshape before slicing, so that the tp split (on heads) is not sliced.
     qkv = fd.ops.reshape(qkv, new_shape=[b, s, h, 3 * d])  # (b, s, h, 3d)
-    return tuple(fd.ops.permute(fd.ops.slice(qkv, start_indices=[0, 0, 0, i * d], end_indices=[b, s, h, (i + 1) * d]),
-                                dims=[0, 2, 1, 3])          # (b, h, s, d)
-                 for i in range(3))
+
+    def part(i):
+        t = fd.ops.slice(qkv, start_indices=[0, 0, 0, i * d], end_indices=[b, s, h, (i + 1) * d])   # (b, s, h, d)
+        t = fd.ops.cast(fd.ops.mul(fd.ops.cast(t, DataType.Float), 1.0), _NV_DTYPE[cfg.torch_dtype])
+        return fd.ops.permute(t, dims=[0, 2, 1, 3])   # (b, h, s, d)
+    return tuple(part(i) for i in range(3))
 
 
 def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, train: bool = False) -> ForwardFusion:
@@ -221,8 +228,8 @@ def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, 
     x = fd.ops.cast(w["x"], DataType.Float)
     ln_1, saved["ln_1.mean"], saved["ln_1.rstd"] = _layer_norm(fd, x, w["ln_1.weight"], w["ln_1.bias"], b, s, e)
     ln_1 = fd.ops.cast(ln_1, dtype)
-    qkv = saved["qkv"] = fd.ops.linear(ln_1, w["attn.c_attn.weight"], w["attn.c_attn.bias"])  # (b, s, 3e), heads outermost
-    q, k, v = _split_heads(fd, qkv, cfg)
+    qkv = fd.ops.linear(ln_1, w["attn.c_attn.weight"], w["attn.c_attn.bias"])  # (b, s, 3e), heads outermost
+    q, k, v = saved["q"], saved["k"], saved["v"] = _split_heads(fd, qkv, cfg)
     if cfg.torch_dtype == torch.bfloat16:
         # Flash attention; its dropout on the probabilities draws from ATen's
         # CUDA generator (replayable with torch.cuda.get/set_rng_state).
@@ -483,7 +490,7 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None) -> Bac
     # Attention branch: x1 = x + dropout(attn(ln_1(x)) W_proj^T + b_proj)
     g_attn = _dropout(fd, g_x1, w["resid_attn_keep"], p) if p > 0 else g_x1
     grads["attn.c_proj.bias"] = _sum_rows(fd, g_attn)
-    q, k, v = _split_heads(fd, w["qkv"], cfg)                              # (b, h, s, d)
+    q, k, v = w["q"], w["k"], w["v"]                                       # (b, h, s, d)
     g_attn = bf.intermediates["g.attn.c_proj.out"] = fd.ops.cast(g_attn, dtype)
     if cfg.torch_dtype == torch.bfloat16:
         y = w["sdpa_out"]

@@ -48,7 +48,7 @@ ACTIVATION_PLACEMENTS: dict[str, Placement] = {
 # attention and the MLP the tp layout is the forward's: heads, or the 4e hidden.
 SAVED_PLACEMENTS: dict[str, Placement] = {
     "ln_1.mean": {0: DP}, "ln_1.rstd": {0: DP},        # [b, s] float
-    "qkv": {0: DP, 2: TP},                              # [b, s, 3e], heads over tp
+    "q": {0: DP, 1: TP}, "k": {0: DP, 1: TP}, "v": {0: DP, 1: TP},   # [b, h, s, d], heads over tp
     "sdpa_out": {0: DP, 1: TP},                         # [b, h, s, d] (bf16 only)
     "sdpa_lse": {0: DP, 1: TP},                         # [b, h, s] float
     "sdpa_seed": {}, "sdpa_offset": {},                 # flash attention's philox state, per rank
@@ -64,7 +64,8 @@ def saved_specs(cfg: BlockConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     saves them), not drawn again: nvFuser 0.2.36 fails to compile the hash in the
     meshed backward (NOTES.md). Flash attention's (bf16) is replayed from its philox state."""
     b, s, e, h, d = cfg.batch, cfg.seq, cfg.n_embd, cfg.n_head, cfg.head_dim
-    specs = {"ln_1.mean": ((b, s), "f32"), "ln_1.rstd": ((b, s), "f32"), "qkv": ((b, s, 3 * e), "block")}
+    specs = {"ln_1.mean": ((b, s), "f32"), "ln_1.rstd": ((b, s), "f32"),
+             **{name: ((b, h, s, d), "block") for name in ("q", "k", "v")}}
     if cfg.dtype == "bf16":
         specs |= {"sdpa_out": ((b, h, s, d), "block"), "sdpa_lse": ((b, h, s), "f32"),
                   "sdpa_seed": ((2,), "u64"), "sdpa_offset": ((), "u64")}
