@@ -65,3 +65,11 @@ def test_plot_against_tp_when_the_reports_span_meshes(tmp_path, monkeypatch):
     main([str(out), *map(str, paths)])
     main([str(out), str(paths[0])])
     assert called == [("scaling", 3), ("bars", 1)]
+
+
+def test_a_shared_gpu_report_says_its_timings_are_not_speed_figures():
+    from tpfuser.bench import format_table
+    rep = json.load(open("results/2026-12-03-h200/run8/bench_nanogpt.json"))
+    assert "not speed figures" not in format_table(rep)
+    rep["gpus_shared"] = 1
+    assert "ranks shared 1 GPU(s) (--share-gpu): these timings are not speed figures" in format_table(rep)

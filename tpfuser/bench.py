@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -358,6 +359,9 @@ def format_table(rep: dict) -> str:
              + (f"; communication floor {rep['comm_floor_ms']:.3f} ms at {rep['allreduce_busbw_gbps']:.0f} GB/s "
                 f"all-reduce bus bandwidth over tp" if "comm_floor_ms" in rep else ""),
              f"{'impl':<16}{'median ms':>10}{'min':>8}{'max':>8}{'TFLOP/s':>9}{'of floor':>9}{'vs eager':>9}"]
+    if rep.get("gpus_shared"):
+        lines[0] += (f"\nthe {rep['mesh']} ranks shared {rep['gpus_shared']} GPU(s) (--share-gpu): "
+                     f"these timings are not speed figures")
     if any("peak_mib_above_baseline" in r for r in rep["results"].values()):
         lines[1] += f"{'peak MiB':>10}{'saved MiB':>10}"
     for name, r in rep["results"].items():
@@ -390,6 +394,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="also what each call's time goes to (GPU kernels, idle)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None, help="also plot the report here")
+    ap.add_argument("--share-gpu", action="store_true",
+                    help="run dp*tp ranks on fewer GPUs: to see it run, not for speed (the ranks time-share a GPU)")
     args = ap.parse_args(argv)
     layout, rank, groups = Layout(args.dp, args.tp), 0, None
     impls = args.impl.split(",") if args.impl else None
@@ -400,7 +406,7 @@ def main(argv=None) -> int:
         if layout.world_size > 1:
             from tpfuser.launch import in_launcher, init_rank, rank_groups, relaunch
             if not in_launcher():   # one rank per GPU under torchrun, or a clear refusal
-                return relaunch(layout, ["bench", *argv])
+                return relaunch(layout, ["bench", *argv], share_gpu=args.share_gpu)
             rank = init_rank(layout)
             groups = rank_groups(layout, rank)
         rep = bench(args.preset, impls, args.iters, dropout=args.dropout, train=args.train, layout=layout,
@@ -410,6 +416,8 @@ def main(argv=None) -> int:
         return 2
     if rank != 0:   # every rank timed; rank 0 holds the slowest rank's samples and reports
         return 0
+    from tpfuser.sharegpu import SHARED_GPU_MARK
+    rep["gpus_shared"] = int(os.environ.get(SHARED_GPU_MARK, "0"))   # > 0: timings are not speed figures
     validate_report(rep)
     if args.json:
         with open(args.json, "w") as f:
