@@ -76,7 +76,7 @@ def test_check_without_gpu_says_so_in_one_line(capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     assert main(["check", "--preset", "tiny"]) == 2
-    assert capsys.readouterr().out == NO_GPU + "\n"
+    assert capsys.readouterr().err == f"error: {NO_GPU}\n"
 
 
 def test_show_prints_the_fusion(capsys):
@@ -90,7 +90,32 @@ def test_main_job_without_gpu(capsys):
         pytest.skip("this machine has a GPU")
     assert main(["main", "--preset", "tiny"]) == 0
     out = capsys.readouterr().out
-    assert out.rstrip().endswith(NO_GPU) and "allreduce over tp" in out
+    lines = out.rstrip().splitlines()
+    assert lines[0].startswith("tiny: one GPT-2 block, batch 4, seq 16, n_embd 64, 8 heads of 8")
+    assert "allreduce over tp after attn.c_proj" in out and "matmul FLOPs per rank" in out   # the plan
+    assert "run by ATen: 4 linear, 1 flash attention" in out                               # the fusion, in brief
+    assert "%kernel_math" not in out and len(lines) < 50                                   # not its IR
+    assert lines[-1].startswith(NO_GPU) and "`tpfuser show --preset tiny`" in lines[-1]
+
+
+def test_fusion_summary_counts_what_aten_runs():
+    """fp32 writes attention out: two matmuls and the softmax's two reductions instead of flash attention."""
+    from tpfuser.cli import fusion_summary
+    from tpfuser.fusion import build_forward
+    text = fusion_summary(build_forward(preset("tiny", dtype="fp32"), Layout(1, 1)))
+    assert "run by ATen: 4 linear, 2 matmul\n" in text and "flash" not in text
+    assert "2 LayerNorm statistics (Welford), 2 softmax reductions" in text and "the 7 gaps around the 6 ATen calls" in text
+
+
+def test_main_job_check_table():
+    from tpfuser.check import CheckResult
+    from tpfuser.cli import check_table
+    rows = [CheckResult("tiny", "fp32", 0.1, "1x1", 0, 3e-7, 1e-5, 4e-7),
+            CheckResult("tiny", "bf16", 0.1, "1x1", 0, 2e-2, 1e-2, 3e-2)]
+    lines = check_table(rows).splitlines()
+    assert lines[0].split() == ["dtype", "dropout", "mesh", "out", "rel", "L2", "branch", "tolerance", "verdict"]
+    assert lines[1].split() == ["fp32", "0.1", "1x1", "3.00e-07", "4.00e-07", "1e-05", "ok"]
+    assert lines[2].split()[-1] == "FAIL"
 
 
 def test_bench_refuses_what_this_machine_cannot_run(capsys):
