@@ -17,12 +17,24 @@ def test_presets():
     (dict(dropout=1.0), "dropout=1.0: must be in [0, 1)"),
     (dict(dropout=-0.1), "dropout=-0.1: must be in [0, 1)"),
     (dict(dtype="fp16"), "dtype='fp16': must be one of ['bf16', 'fp32']"),
-], ids=["heads", "batch", "seq", "float_heads", "dropout_one", "dropout_negative", "dtype"])
+    (dict(n_embd=60, n_head=6), "head_dim=10: n_embd/n_head must be a multiple of 8 in bf16 "
+                                "(flash attention's limit; fp32 has none)"),
+    (dict(n_embd=512, n_head=1), "head_dim=512: n_embd/n_head must be at most 256 in bf16 "
+                                 "(flash attention's limit; fp32 has none)"),
+], ids=["heads", "batch", "seq", "float_heads", "dropout_one", "dropout_negative", "dtype", "flash_head_dim_8",
+        "flash_head_dim_256"])
 def test_config_errors_name_field_value_rule(kwargs, message):
     base = dict(batch=2, seq=8, n_embd=64, n_head=8)
     with pytest.raises(ValueError) as err:
         BlockConfig(**{**base, **kwargs})
     assert str(err.value) == message
+
+
+def test_flash_limits_are_bf16_only():
+    """fp32 writes attention out: any head size; bf16 takes flash attention's up to 256."""
+    assert BlockConfig(2, 8, 60, 6, dtype="fp32").head_dim == 10
+    assert BlockConfig(2, 8, 512, 1, dtype="fp32").head_dim == 512
+    assert BlockConfig(2, 8, 512, 2, dtype="bf16").head_dim == 256
 
 
 def test_unknown_preset():

@@ -1,7 +1,11 @@
 """Launch plumbing: torchrun and mpirun variables, the relaunch command."""
+import os
+import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
 from tpfuser import launch
 from tpfuser.config import Layout
@@ -54,7 +58,7 @@ def test_sharegpu_rank_environment(rank):
     env = rank_environment({"RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_PORT": "29400",
                             "TPFUSER_SHARED_GPUS": "2"})
     assert env["NCCL_HOSTID"].endswith(f"-{rank}")          # every rank its own host to NCCL
-    assert env["LOCAL_RANK"] == str(rank % 2) and env["LOCAL_WORLD_SIZE"] == "1"
+    assert env["LOCAL_RANK"] == str(rank % 2) and env["LOCAL_WORLD_SIZE"] == "2"
     assert env["NVFUSER_MASTER_ADDR"] == ("localhost" if rank == 0 else "127.0.0.1")   # rank 0 alone serves the store
     assert env["NVFUSER_MASTER_PORT"] == "29401"
     assert env["NCCL_SOCKET_IFNAME"] == "lo"
@@ -83,3 +87,124 @@ def test_relaunch_without_enough_gpus_names_share_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match="needs 4 GPUs, one per rank; this machine has 1; --share-gpu"):
         launch.relaunch(Layout(1, 4), ["check"])
+
+
+# A stuck run as torchrun makes it: a launcher that ignores SIGTERM, a rank in its
+# process group, and a rank in a session of its own (torchrun starts each rank so);
+# both ranks ignore SIGTERM too. Each writes its pid to the file named by argv[1].
+STUCK_RUN = r"""
+import os, signal, subprocess, sys, time
+hang = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+ranks = [subprocess.Popen([sys.executable, "-c", hang], start_new_session=True),
+         subprocess.Popen([sys.executable, "-c", hang])]
+with open(sys.argv[1], "w") as f:
+    f.write(" ".join(str(p.pid) for p in [*ranks]))
+time.sleep(600)
+"""
+
+
+def _gone(pid, group=False, within_s=10.0):
+    """True once no process (a zombie neither: init reaps the orphans) has this pid (or process group)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            (os.killpg if group else os.kill)(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_timeout_ends_every_rank(tmp_path, monkeypatch, capsys):
+    """relaunch past TPFUSER_TIMEOUT_S returns 124 and leaves no process behind:
+    not the launcher, not its group, not a rank in a session of its own."""
+    pids = tmp_path / "pids"
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK_RUN)
+    monkeypatch.setenv("TPFUSER_TIMEOUT_S", "3")
+    monkeypatch.setattr(launch, "GRACE_S", 0.5)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    started = []
+
+    def fake_torchrun(layout, argv, environ, shared_gpus=0):
+        return [sys.executable, str(script), str(pids)], dict(environ)
+
+    real_popen = subprocess.Popen
+
+    def popen(*args, **kwargs):
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(launch, "torchrun_command", fake_torchrun)
+    monkeypatch.setattr(launch.subprocess, "Popen", popen)
+    t0 = time.monotonic()
+    assert launch.relaunch(Layout(1, 2), ["check"]) == 124
+    assert time.monotonic() - t0 < 3 + 0.5 + 5 + 2
+    assert "did not finish in 3 s and was ended, every rank" in capsys.readouterr().err
+    leader = started[0].pid
+    own_session, in_group = (int(p) for p in pids.read_text().split())
+    assert _gone(leader, group=True), "a process of the launcher's group is left"
+    assert _gone(own_session), "the rank in a session of its own is left"
+    assert _gone(in_group) and _gone(leader)
+
+
+def test_a_run_that_finishes_returns_its_status(tmp_path):
+    assert launch.run_bounded([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), 30) == 3
+
+
+@pytest.mark.parametrize("value, ok", [("5", 5.0), ("0.5", 0.5), (None, 600.0), ("0", None), ("-5", None),
+                                       ("abc", None), ("", None), ("inf", None), ("nan", None)],
+                         ids=["5", "half", "unset", "zero", "negative", "abc", "empty", "inf", "nan"])
+def test_timeout_variable_is_checked(monkeypatch, value, ok):
+    if value is None:
+        monkeypatch.delenv("TPFUSER_TIMEOUT_S", raising=False)
+    else:
+        monkeypatch.setenv("TPFUSER_TIMEOUT_S", value)
+    if ok is not None:
+        assert launch.run_timeout_s() == ok
+    else:
+        with pytest.raises(ValueError) as err:
+            launch.run_timeout_s()
+        assert str(err.value).startswith(f"TPFUSER_TIMEOUT_S={value!r}: must be a positive number of seconds")
+
+
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "TPFUSER_SINGLE_PROCESS")
+
+
+@pytest.mark.parametrize("env, layout, message", [
+    ({"RANK": "2", "WORLD_SIZE": "2"}, None, "RANK=2 with WORLD_SIZE=2: a rank must be below its world size"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, None,
+     "LOCAL_RANK=2 with LOCAL_WORLD_SIZE=2: a rank must be below its world size"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "4"}, None,
+     "LOCAL_WORLD_SIZE=4 with WORLD_SIZE=2: more ranks on this node than in the world"),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, None, "RANK='x': must be an int (the launcher sets it)"),
+    ({"RANK": "-1", "WORLD_SIZE": "2"}, None, "RANK=-1: must be >= 0"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, None, "WORLD_SIZE=0: must be >= 1"),
+    ({"OMPI_COMM_WORLD_RANK": "4", "OMPI_COMM_WORLD_SIZE": "4"}, None,
+     "OMPI_COMM_WORLD_RANK=4 with OMPI_COMM_WORLD_SIZE=4: a rank must be below"),
+    ({"RANK": "0", "WORLD_SIZE": "3"}, Layout(1, 2), "WORLD_SIZE=3 != dp*tp = 1*2 = 2; launch exactly 2 ranks"),
+], ids=["rank", "local_rank", "local_world", "not_int", "negative", "world_zero", "mpirun", "mesh"])
+def test_inconsistent_launch_refused_naming_the_variables(monkeypatch, env, layout, message):
+    for name in _LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError) as err:
+        launch.check_launch(layout, nvfuser=False)
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_launcher_without_cuda_refused_before_nvfuser(monkeypatch):
+    for name in _LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"under a launcher \(WORLD_SIZE=2\) on a machine without a CUDA device"):
+        launch.check_launch(Layout(1, 2))
+    launch.check_launch(Layout(1, 2), nvfuser=False)   # plan imports no nvFuser: fine
+    monkeypatch.delenv("WORLD_SIZE")
+    launch.check_launch(Layout(1, 2))   # outside a launcher: nothing to check

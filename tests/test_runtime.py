@@ -76,7 +76,7 @@ def test_check_without_gpu_says_so_in_one_line(capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     assert main(["check", "--preset", "tiny"]) == 2
-    assert capsys.readouterr().err == NO_GPU + "\n"
+    assert capsys.readouterr().err == f"error: {NO_GPU}\n"
 
 
 def test_show_prints_the_fusion(capsys):
@@ -90,7 +90,42 @@ def test_main_job_without_gpu(capsys):
         pytest.skip("this machine has a GPU")
     assert main(["main", "--preset", "tiny"]) == 0
     out = capsys.readouterr().out
-    assert out.rstrip().endswith(NO_GPU) and "allreduce over tp" in out
+    lines = out.rstrip().splitlines()
+    assert lines[0].startswith("tiny: one GPT-2 block, batch 4, seq 16, n_embd 64, 8 heads of 8")
+    assert "allreduce over tp after attn.c_proj" in out and "matmul FLOPs per rank" in out   # the plan
+    assert "run by ATen: 4 linear, 1 flash attention" in out                               # the fusion, in brief
+    assert "%kernel_math" not in out and len(lines) < 50                                   # not its IR
+    assert lines[-1].startswith(NO_GPU) and "`tpfuser show --preset tiny`" in lines[-1]
+
+
+def test_fusion_summary_counts_what_aten_runs():
+    """fp32 writes attention out: two matmuls and the softmax's two reductions instead of flash attention."""
+    from tpfuser.cli import fusion_summary
+    from tpfuser.fusion import build_forward
+    text = fusion_summary(build_forward(preset("tiny", dtype="fp32"), Layout(1, 1)))
+    assert "run by ATen: 4 linear, 2 matmul\n" in text and "flash" not in text
+    assert "2 LayerNorm statistics (Welford), 2 softmax reductions" in text and "the 7 gaps around the 6 ATen calls" in text
+
+
+def test_check_table_one_line_a_rank_and_case():
+    """The table `check` (and the main job on a GPU) prints from every rank's results."""
+    from tpfuser.check import RankReport
+    from tpfuser.meshcheck import format_checks
+    good = RankReport("tiny", "bf16", 0.1, "1x2", False, 0,
+                      forward={"rel_err": 2e-3, "branch_rel_err": 4e-2, "tolerance": 1e-2,
+                               "mask_mismatches": {"resid_attn_keep": 0}, "wrong_stream_branch_rel_err": 0.16},
+                      backward={"worst": 5e-3, "tolerance": 2e-2, "mask_mismatches": {"resid_attn_keep": 0}},
+                      collectives={"forward": {"posted": [1, 2], "planned": [1, 2], "matches": True}})
+    report = {"environment": {"gpu": "H200", "gpus_shared": 1}, "preset": "tiny", "mesh": "1x2", "sp": False,
+              "cases": [{"dtype": "bf16", "dropout": 0.1,
+                         "ranks": [good.as_dict(), {"rank": 1, "ok": False, "error": "nvFuser said no"}]}],
+              "ok": False}
+    lines = format_checks(report).splitlines()
+    assert "timings here are not speed figures" in lines[0]
+    assert lines[2].split() == ["bf16", "0.10", "0", "2.0e-03", "1e-02", "4.0e-02", "1.6e-01", "5.0e-03", "2.0e-02",
+                                "equal", "2/2", "ok"]
+    assert lines[3].split()[:4] == ["bf16", "0.10", "1", "FAILED:"] and "nvFuser said no" in lines[3]
+    assert lines[-1] == "SOME RANK FAILED"
 
 
 def test_bench_refuses_what_this_machine_cannot_run(capsys):

@@ -382,8 +382,9 @@ def format_table(rep: dict) -> str:
 
 
 def main(argv=None) -> int:
+    from tpfuser.cli import ArgParser, check_writable
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog="tpfuser bench")
+    ap = ArgParser(prog="tpfuser bench")
     ap.add_argument("--preset", default="nanogpt")
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--tp", type=int, default=1)
@@ -397,14 +398,22 @@ def main(argv=None) -> int:
     ap.add_argument("--share-gpu", action="store_true",
                     help="run dp*tp ranks on fewer GPUs: to see it run, not for speed (the ranks time-share a GPU)")
     args = ap.parse_args(argv)
-    layout, rank, groups = Layout(args.dp, args.tp), 0, None
+    rank, groups = 0, None
     impls = args.impl.split(",") if args.impl else None
     try:
-        cfg = preset(args.preset)
+        # Everything that can be refused, before the benchmark: its results must not be lost to a bad path.
+        layout = Layout(args.dp, args.tp)
+        if args.iters < 1:
+            raise ValueError(f"--iters={args.iters}: must be a positive int (samples per implementation)")
+        cfg = preset(args.preset, dtype="bf16", **({} if args.dropout is None else {"dropout": args.dropout}))
         layout.check(cfg)
         check_impls(impls or (), layout)
+        check_writable(args.json, "--json")
+        check_writable(args.png, "--png")
+        from tpfuser.launch import check_launch, in_launcher
+        check_launch(layout)
         if layout.world_size > 1:
-            from tpfuser.launch import in_launcher, init_rank, rank_groups, relaunch
+            from tpfuser.launch import init_rank, rank_groups, relaunch
             if not in_launcher():   # one rank per GPU under torchrun, or a clear refusal
                 return relaunch(layout, ["bench", *argv], share_gpu=args.share_gpu)
             rank = init_rank(layout)

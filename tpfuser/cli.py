@@ -4,18 +4,50 @@
   tpfuser plan  [--preset P] [--dp N --tp N] [--json F]    shardings, collectives, FLOPs (no GPU)
   tpfuser check [--preset P] [--dtype D] [--dp N --tp N]   fusion vs reference on GPUs
   tpfuser bench [--preset P] [--dp N --tp N] [--train] [--json F]   nvFuser vs eager, torch.compile, DTensor
-  tpfuser main                                              check if GPUs exist, else show + plan
+  tpfuser main                                              check if GPUs exist, else a summary of
+                                                            the block, the plan and the fusion
+
+Every refusal is one line on stderr and exit status 2, before any work.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 
 from tpfuser.config import PRESETS, Layout, preset
 
 NO_GPU = "no CUDA device here: running the fusion needs a CUDA GPU (show and plan work without one)"
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse with its refusals in one line, as every other refusal (no usage block)."""
+
+    def error(self, message):
+        self.exit(2, f"error: {self.prog}: {message} (--help lists the options)\n")
+
+
+def check_writable(path: str | None, option: str) -> None:
+    """Refuse now, not after the work, an output file that cannot be written.
+    Trying is the only sure test (permissions say yes to root, /proc says no);
+    a file made by trying is removed."""
+    if path is None:
+        return
+    if not path.strip():
+        raise ValueError(f"{option}={path!r}: an empty path; give a file name")
+    if os.path.isdir(path):
+        raise ValueError(f"{option}={path!r}: is a directory; give a file name")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{option}={path!r}: cannot be written ({e.strerror})") from None
+    if not existed:
+        os.remove(path)
 
 
 def _block_args(p: argparse.ArgumentParser, several_dtypes: bool = False) -> None:
@@ -29,13 +61,34 @@ def _block_args(p: argparse.ArgumentParser, several_dtypes: bool = False) -> Non
 
 
 def _cfg(args):
+    """The block and its layout, checked against each other (before a fusion is defined)."""
     overrides = {k: v for k, v in (("dtype", args.dtype), ("dropout", args.dropout)) if v is not None}
-    return preset(args.preset, **overrides), Layout(args.dp, args.tp, args.sp)
+    cfg, layout = preset(args.preset, **overrides), Layout(args.dp, args.tp, args.sp)
+    layout.check(cfg)
+    return cfg, layout
+
+
+# Per command: does it run ranks (so a launcher's world must be dp*tp), does it import nvFuser.
+_RUNS_RANKS = {"show": False, "plan": False, "check": True, "main": True}
+_IMPORTS_NVFUSER = {"show": True, "plan": False, "check": True, "main": True}
+
+
+def preflight(args) -> None:
+    """What can be refused before any work is: the block and layout, output
+    paths, a launch that contradicts itself or the mesh, a launch without CUDA
+    (launch.check_launch), `check` without a GPU."""
+    from tpfuser.launch import check_launch
+    _, layout = _check_cfgs(args)
+    for option in ("json", "png"):
+        check_writable(getattr(args, option, None), f"--{option}")
+    check_launch(layout if _RUNS_RANKS[args.command] else None, nvfuser=_IMPORTS_NVFUSER[args.command])
+    if args.command == "check" and _cuda_count() == 0:
+        raise ValueError(NO_GPU)
 
 
 def cmd_show(args) -> int:
-    from tpfuser.fusion import build_forward, fusion_text
     cfg, layout = _cfg(args)
+    from tpfuser.fusion import build_forward, fusion_text
     print(fusion_text(build_forward(cfg, layout)))
     return 0
 
@@ -45,7 +98,7 @@ def cmd_plan(args) -> int:
     cfg, layout = _cfg(args)
     rep = plan_report(cfg, layout, args.preset)
     print(format_plan(rep))
-    if getattr(args, "json", None):
+    if args.json is not None:
         with open(args.json, "w") as f:
             json.dump(rep, f, indent=2)
     return 0
@@ -58,20 +111,16 @@ def _cuda_count() -> int:
 
 def _check_cfgs(args):
     """One block config per dtype asked for (check takes several), and the layout."""
-    pairs = [_cfg(argparse.Namespace(**{**vars(args), "dtype": dtype})) for dtype in args.dtype or [None]]
+    dtypes = args.dtype if isinstance(args.dtype, list) else [args.dtype]
+    pairs = [_cfg(argparse.Namespace(**{**vars(args), "dtype": dtype})) for dtype in dtypes]
     return [cfg for cfg, _ in pairs], pairs[0][1]
 
 
 def cmd_check(args) -> int:
     cfgs, layout = _check_cfgs(args)
-    for cfg in cfgs:
-        layout.check(cfg)
     if args.collectives:   # before nvFuser is imported: it reads its options once
         import os
         os.environ["NVFUSER_DUMP"] = ",".join(filter(None, [os.environ.get("NVFUSER_DUMP"), "communication"]))
-    if _cuda_count() == 0:
-        print(NO_GPU, file=sys.stderr)
-        return 2
     from tpfuser.launch import in_launcher, relaunch
     if layout.world_size > 1 and not in_launcher():
         if args.share_gpu:
@@ -84,16 +133,48 @@ def cmd_check(args) -> int:
     return run_checks(cfgs, layout, args)
 
 
+def fusion_summary(ff) -> str:
+    """The forward fusion in a few lines: what goes in and out, and which of its
+    operations nvFuser hands to ATen (the GEMMs and flash attention), cutting it
+    into segments, and which it fuses into kernels of its own between them."""
+    from tpfuser.fusion import rng_input_names
+    text = ff.fd.fusion.print_math()
+    body = text[text.index("%kernel_math"):] if "%kernel_math" in text else text
+    def count(pattern):
+        return len(re.findall(pattern, body))
+    aten = {"linear": count(r"= linear\("), "matmul": count(r"= matmul\("), "flash attention": count(r"= sdpa")}
+    n_aten, scalars = sum(aten.values()), len(rng_input_names(ff.cfg))
+    reductions = [f"{count(r'= Welford')} LayerNorm statistics (Welford)"] + (
+        [f"{count(r'= reduction')} softmax reductions"] if count(r"= reduction") else [])
+    return "\n".join([
+        f"fusion (forward, {ff.cfg.dtype}): in x and the 12 parameters" + (f", {scalars} dropout scalars" if scalars else "")
+        + f"; returns {', '.join(ff.outputs)}; {count(r'(?m)^T[0-9]+_l')} tensor expressions "
+        f"({len(text.splitlines())} lines of nvFuser IR)",
+        "  run by ATen: " + ", ".join(f"{n} {k}" for k, n in aten.items() if n),
+        f"  fused by nvFuser: {', '.join(reductions)}, casts, GELU, dropout hash, residuals, in the "
+        f"{n_aten + 1} gaps around the {n_aten} ATen calls (how many kernels each takes, nvFuser decides at the first run on a GPU)",
+    ])
+
+
 def cmd_main(args) -> int:
+    """On a GPU: the check of every dtype, as a table. Without one: what a
+    newcomer needs first, the block, the plan and the fusion in brief."""
+    cfg, layout = _cfg(args)
+    dtypes = ("fp32", "bf16") if args.dtype is None else (args.dtype,)
     if _cuda_count() > 0:
-        args.dtype = ["fp32", "bf16"]
+        args.dtype = list(dtypes)
         args.forward_only, args.collectives, args.share_gpu, args.json = False, False, False, None
         return cmd_check(args)
-    cmd_show(args)
+    from tpfuser.fusion import build_forward
+    from tpfuser.report import format_plan, plan_report
+    print(f"{args.preset}: one GPT-2 block, batch {cfg.batch}, seq {cfg.seq}, n_embd {cfg.n_embd}, {cfg.n_head} heads "
+          f"of {cfg.head_dim}, dropout {cfg.dropout}, {cfg.dtype}; mesh dp {layout.dp} x tp {layout.tp}")
     print()
-    cmd_plan(args)
+    print(format_plan(plan_report(cfg, layout, args.preset)))
     print()
-    print(NO_GPU)
+    print(fusion_summary(build_forward(cfg, layout)))
+    print()
+    print(f"{NO_GPU}; `tpfuser show --preset {args.preset}` prints the fusion's full IR")
     return 0
 
 
@@ -102,14 +183,14 @@ def main(argv=None) -> int:
     if argv[:1] == ["bench"]:
         from tpfuser.bench import main as bench_main
         return bench_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="tpfuser", description="Megatron-style sharded GPT block in nvFuser")
+    parser = ArgParser(prog="tpfuser", description="Megatron-style sharded GPT block in nvFuser")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn, hlp in (("show", cmd_show, "print the fusion definition"),
                           ("plan", cmd_plan, "print the sharding plan"),
                           ("check", cmd_check, "check the fusion against the reference on GPU"),
                           ("main", cmd_main, "check on GPUs if any, else show the fusion and plan")):
         p = sub.add_parser(name, help=hlp)
-        _block_args(p, several_dtypes=name in ("check", "main"))
+        _block_args(p, several_dtypes=name == "check")
         if name == "plan":
             p.add_argument("--json", default=None, help="also write the plan as JSON here")
         if name == "check":
@@ -125,6 +206,7 @@ def main(argv=None) -> int:
     sub.add_parser("bench", help="benchmark against the peers (see: tpfuser bench --help)")
     args = parser.parse_args(argv)
     try:
+        preflight(args)
         return args.fn(args)
     except (ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -41,6 +41,13 @@ class BlockConfig:
         _require(isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0,
                  "dropout", self.dropout, "must be in [0, 1)")
         _require(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {sorted(DTYPES)}")
+        if self.dtype == "bf16":
+            # bf16 attention is flash attention's kernel (sdpfa_fwd), which takes these head sizes
+            # only; it would fail on the GPU, after the fusion is built. fp32 writes attention out.
+            rule = "in bf16 (flash attention's limit; fp32 has none)"
+            _require(self.head_dim % 8 == 0, "head_dim", self.head_dim,
+                     f"n_embd/n_head must be a multiple of 8 {rule}")
+            _require(self.head_dim <= 256, "head_dim", self.head_dim, f"n_embd/n_head must be at most 256 {rule}")
 
     @property
     def head_dim(self) -> int:

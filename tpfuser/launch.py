@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 
 from tpfuser.config import Layout
-from tpfuser.runtime import check_world
 
 # A rank that dies leaves the others waiting in a collective; NCCL's watchdog
-# and torchrun bound that. This is the bound we ask of the whole run.
-RUN_TIMEOUT_S = int(os.environ.get("TPFUSER_TIMEOUT_S", "600"))
+# and torchrun bound that. This is the bound we ask of the whole run, read
+# from TIMEOUT_VAR when a run starts (run_timeout_s).
+TIMEOUT_VAR = "TPFUSER_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 600.0
+# Between SIGTERM and SIGKILL: time for torchrun to stop its ranks and NCCL to let go.
+GRACE_S = 10.0
 
 _RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK")
 _SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE")
@@ -26,11 +31,19 @@ _LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
 _LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
 
 
-def _env_int(names, default: int) -> int:
+def _env_int(names, default: int) -> tuple[int, str]:
+    """(value, the variable it came from) of the first of `names` set; (default, 'NAME (unset)') otherwise."""
     for n in names:
         if n in os.environ:
-            return int(os.environ[n])
-    return default
+            text = os.environ[n]
+            try:
+                value = int(text)
+            except ValueError:
+                raise ValueError(f"{n}={text!r}: must be an int (the launcher sets it)") from None
+            if value < 0:
+                raise ValueError(f"{n}={value}: must be >= 0")
+            return value, f"{n}={value}"
+    return default, f"{names[0]} (unset: {default})"
 
 
 def in_launcher() -> bool:
@@ -39,13 +52,48 @@ def in_launcher() -> bool:
 
 
 def rank_info() -> dict[str, int]:
-    return {"rank": _env_int(_RANK_VARS, 0), "world_size": _env_int(_SIZE_VARS, 1),
-            "local_rank": _env_int(_LOCAL_RANK_VARS, 0), "local_world_size": _env_int(_LOCAL_SIZE_VARS, 1)}
+    """This process's place in the launch, from torchrun's or mpirun's variables;
+    refused, naming them, when they contradict each other."""
+    (rank, r), (world, w) = _env_int(_RANK_VARS, 0), _env_int(_SIZE_VARS, 1)
+    (local_rank, lr), (local_world, lw) = _env_int(_LOCAL_RANK_VARS, 0), _env_int(_LOCAL_SIZE_VARS, 1)
+    for value, what in ((world, w), (local_world, lw)):
+        if value < 1:
+            raise ValueError(f"{what}: must be >= 1")
+    for (a, a_what), (b, b_what) in (((rank, r), (world, w)), ((local_rank, lr), (local_world, lw))):
+        if a >= b:
+            raise ValueError(f"{a_what} with {b_what}: a rank must be below its world size")
+    if local_world > world:
+        raise ValueError(f"{lw} with {w}: more ranks on this node than in the world")
+    return {"rank": rank, "world_size": world, "local_rank": local_rank, "local_world_size": local_world}
+
+
+def check_launch(layout: Layout | None = None, nvfuser: bool = True) -> None:
+    """Under torchrun or mpirun, before any work: the launcher's variables agree
+    with each other (rank_info) and, given the layout the ranks will run, with
+    dp*tp; and, when the command will import nvFuser, there is a CUDA device:
+    without one nvFuser's Communicator, which reads the same variables, aborts
+    the process at exit (an internal assert, exit 134). Nothing outside a launcher."""
+    if not in_launcher():
+        return
+    info = rank_info()
+    if layout is not None and info["world_size"] != layout.world_size:
+        var = next(n for n in _SIZE_VARS if n in os.environ)
+        raise ValueError(f"{var}={info['world_size']} != dp*tp = {layout.dp}*{layout.tp} = {layout.world_size}; "
+                         f"launch exactly {layout.world_size} ranks")
+    if nvfuser:
+        import torch
+        if not torch.cuda.is_available():
+            var = next(n for n in _SIZE_VARS if n in os.environ)
+            raise ValueError(f"under a launcher ({var}={info['world_size']}) on a machine without a CUDA device: "
+                             f"nvFuser's multi-device runtime needs one; run `tpfuser show` or `tpfuser plan` "
+                             f"without the launcher")
 
 
 def init_rank(layout: Layout) -> int:
     """Validate the launch against the mesh, pick this rank's GPU, return the rank."""
     import torch
+    from tpfuser.runtime import check_world
+    check_launch(layout)
     info = rank_info()
     check_world(layout, info["world_size"], torch.cuda.device_count(), info["local_world_size"])
     if "MASTER_ADDR" in os.environ:
@@ -103,10 +151,119 @@ def torchrun_command(layout: Layout, argv: list[str], environ: dict[str, str],
     return cmd, env
 
 
+def run_timeout_s() -> float:
+    """The bound on a multi-rank run, in seconds: TPFUSER_TIMEOUT_S, read when a
+    run starts, or 600."""
+    text = os.environ.get(TIMEOUT_VAR)
+    if text is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{TIMEOUT_VAR}={text!r}: must be a positive number of seconds "
+                         f"(the bound on a multi-rank run; unset: {DEFAULT_TIMEOUT_S:.0f})")
+    return value
+
+
+def _processes() -> dict[int, tuple[int, int, str, str]]:
+    """pid -> (parent pid, process group, state, start time) of every process, from
+    Linux's /proc; empty elsewhere."""
+    table = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:   # ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()   # after "pid (comm) ": state, ppid, pgrp, ...
+        table[int(entry)] = (int(fields[1]), int(fields[2]), fields[0], fields[19])
+    return table
+
+
+def _tree(root: int) -> dict[int, str]:
+    """pid -> start time of root, its process group and every descendant: torchrun
+    starts each rank in a session of its own, out of reach of a signal to its group."""
+    table = _processes()
+    found = {pid: row[3] for pid, row in table.items() if pid == root or row[1] == root}
+    todo = list(found)
+    while todo:
+        parent = todo.pop()
+        for pid, row in table.items():
+            if row[0] == parent and pid not in found:
+                found[pid] = row[3]
+                todo.append(pid)
+    return found
+
+
+def _signal_all(root: int, tracked: dict[int, str], sig) -> None:
+    try:
+        os.killpg(root, sig)
+    except ProcessLookupError:
+        pass
+    for pid in _alive(tracked):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _alive(tracked: dict[int, str]) -> list[int]:
+    """The tracked processes still running (not zombies, and not a new process that reuses the pid)."""
+    table = _processes()
+    return [pid for pid, start in tracked.items() if pid in table and table[pid][3] == start and table[pid][2] != "Z"]
+
+
+def _wait_ended(proc: subprocess.Popen, tracked: dict[int, str], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while True:
+        proc.poll()   # reap our child, or it counts as running
+        if proc.returncode is not None and not _alive(tracked):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def _end_all(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM to proc, its group and its descendants (torchrun and its ranks), SIGKILL
+    to whatever is left after grace_s; return when none of them runs any more."""
+    tracked = _tree(proc.pid)
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        tracked |= _tree(proc.pid)   # and any process started since
+        _signal_all(proc.pid, tracked, sig)
+        if _wait_ended(proc, tracked, wait_s):
+            break
+    proc.wait()
+
+
+def run_bounded(cmd: list[str], env: dict[str, str], timeout_s: float, grace_s: float | None = None) -> int | None:
+    """Run cmd in a session (and process group) of its own; its exit status, or
+    None when it ran past timeout_s: then it is ended with its group and every
+    process it started (torchrun's ranks run in sessions of their own), so that
+    none is left holding a GPU. Ctrl-C ends them too. grace_s: between SIGTERM
+    and SIGKILL (GRACE_S)."""
+    grace_s = GRACE_S if grace_s is None else grace_s
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _end_all(proc, grace_s)
+        return None
+    except BaseException:
+        _end_all(proc, grace_s)
+        raise
+
+
 def relaunch(layout: Layout, argv: list[str] | None = None, share_gpu: bool = False) -> int:
     """Re-run this command (`tpfuser argv`, default this process's) under
     torchrun with dp*tp local ranks; refuse when this machine has fewer GPUs,
-    unless share_gpu (the ranks then share the GPUs there are: tpfuser.sharegpu)."""
+    unless share_gpu (the ranks then share the GPUs there are: tpfuser.sharegpu).
+    Past TPFUSER_TIMEOUT_S every rank is ended and 124 returned."""
+    timeout_s = run_timeout_s()
     import torch
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus == 0 or (gpus < layout.world_size and not share_gpu):
@@ -115,12 +272,12 @@ def relaunch(layout: Layout, argv: list[str] | None = None, share_gpu: bool = Fa
                                                       "(for checking, not timing)" if gpus else ""))
     cmd, env = torchrun_command(layout, sys.argv[1:] if argv is None else argv, dict(os.environ),
                                 shared_gpus=min(gpus, layout.world_size) if share_gpu else 0)
-    try:
-        return subprocess.run(cmd, timeout=RUN_TIMEOUT_S, env=env).returncode
-    except subprocess.TimeoutExpired:
-        print(f"error: the {layout.world_size}-rank run did not finish in {RUN_TIMEOUT_S} s "
-              f"(a rank may have died; set TPFUSER_TIMEOUT_S to change the bound)", file=sys.stderr)
+    returncode = run_bounded(cmd, env, timeout_s)
+    if returncode is None:
+        print(f"error: the {layout.world_size}-rank run did not finish in {timeout_s:g} s and was ended, "
+              f"every rank (a rank may have died; {TIMEOUT_VAR} sets the bound)", file=sys.stderr)
         return 124
+    return returncode
 
 
 def shared_gpu_bytes(cfg, layout: Layout) -> int:

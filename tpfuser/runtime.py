@@ -21,6 +21,7 @@ from tpfuser.fusion import MASK_STARTS, build_backward, build_forward, rng_input
 from tpfuser.plan import PARAM_PLACEMENTS, local_shape, placements
 from tpfuser.reference import PARAM_NAMES, param_shapes
 from tpfuser.shard import fusion_params, local_slice, rank_params, slice_starts
+from tpfuser.weights import check_finite, check_nanogpt, check_tensor, from_hf_gpt2
 
 # The tensors each dropout stream masks (fusion.MASK_STARTS, plan.placements).
 MASKED = {"resid_attn": "resid_attn_keep", "resid_mlp": "resid_mlp_keep", "attn": "attn_keep"}
@@ -73,11 +74,13 @@ class ShardedBlock:
 
     def __init__(self, cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, check: bool = False,
                  device: Optional[torch.device] = None, mesh: bool = True,
-                 dp_group=None):
+                 dp_group=None, check_finite: bool = False):
         """mesh=False (1x1 only) builds the fusion without a device mesh: the
         same math, run by nvFuser's single-device executor (see NOTES.md).
         dp_group: the torch.distributed group of this rank's dp replicas (launch.dp_group),
-        over which backward sums the parameter gradients; needed when dp > 1."""
+        over which backward sums the parameter gradients; needed when dp > 1.
+        check_finite: refuse an input (x, grad_out) holding NaN or inf; off by
+        default, since reading the count back waits for the GPU on every call."""
         layout.check(cfg)
         if not mesh and layout.world_size != 1:
             raise ValueError(f"mesh=False needs a 1x1 layout, got {layout.dp}x{layout.tp}")
@@ -90,25 +93,40 @@ class ShardedBlock:
         self._params: Optional[list[torch.Tensor]] = None
         self._train_fusion = self._backward_fusion = None   # built on first use
         self.dp_group = dp_group
+        self.check_finite = check_finite
 
     # -- parameters -------------------------------------------------------
     def load(self, state: dict[str, torch.Tensor]) -> "ShardedBlock":
-        """Take a nanoGPT-style state_dict (global, blocked c_attn); keep this rank's shards."""
+        """Take a nanoGPT-style state_dict (global, blocked c_attn); keep this rank's shards.
+        Floating weights are cast to the block's dtype; integers, NaN and inf are refused
+        (weights.check_tensor), and so is Hugging Face's layout (use load_hf_gpt2)."""
+        check_nanogpt(state, self.cfg)
         missing = [n for n in PARAM_NAMES if n not in state]
         if missing:
             raise ValueError(f"state_dict lacks {missing}")
         shapes = param_shapes(self.cfg)
+        full = {}
         for name in PARAM_NAMES:
+            check_tensor(name, state[name])
             if tuple(state[name].shape) != shapes[name]:
                 raise ValueError(f"{name}: expected shape {shapes[name]}, got {tuple(state[name].shape)}")
-        fparams = fusion_params({n: state[n].detach().cpu() for n in PARAM_NAMES}, self.cfg)
-        shards = rank_params(fparams, self.layout, self.rank)
-        return self.load_shards([s.to(self.device, self.cfg.torch_dtype) for s in shards])
+            full[name] = state[name].detach().cpu().to(self.cfg.torch_dtype)
+            check_finite(f"{name} cast to {self.cfg.dtype}", full[name])   # e.g. fp64 beyond fp32's range
+        shards = rank_params(fusion_params(full, self.cfg), self.layout, self.rank)
+        return self.load_shards([s.to(self.device) for s in shards])
+
+    def load_hf_gpt2(self, state: dict[str, torch.Tensor], layer: Optional[int] = None) -> "ShardedBlock":
+        """Take Hugging Face GPT-2 weights (Conv1D layout): a GPT2Block's state_dict, or
+        with `layer` that layer of a GPT2LMHeadModel's (weights.from_hf_gpt2)."""
+        return self.load(from_hf_gpt2(state, self.cfg, layer))
 
     def load_shards(self, shards: list[torch.Tensor]) -> "ShardedBlock":
-        """Take this rank's shards directly (PARAM_NAMES order, fusion's qkv order)."""
+        """Take this rank's shards directly (PARAM_NAMES order, fusion's qkv order),
+        checked as load() checks full weights."""
         if len(shards) != len(PARAM_NAMES):
             raise ValueError(f"expected {len(PARAM_NAMES)} parameter shards ({', '.join(PARAM_NAMES)}), got {len(shards)}")
+        for name, t in zip(PARAM_NAMES, shards):
+            check_tensor(name, t)
         for name, t in zip(PARAM_NAMES, shards):
             self._validate(name, t, self.local_param_shape(name))
         self._params = list(shards)
@@ -144,6 +162,11 @@ class ShardedBlock:
             raise ValueError(f"{name}: expected " + ", ".join(problems) +
                              f" for rank {self.rank} of mesh {self.layout.dp}x{self.layout.tp}")
 
+    def _validate_input(self, name: str, t) -> None:
+        if self.check_finite and isinstance(t, torch.Tensor):
+            check_finite(name, t)
+        self._validate(name, t, self.input_shape())
+
     def _rng_inputs(self, rng_seed, rng_offset) -> list[int]:
         if self.cfg.dropout == 0:
             return []
@@ -169,7 +192,7 @@ class ShardedBlock:
         """Run the fusion on this rank's input slice; returns this rank's outputs by name
         ('out', and with check=True the keep-masks of the dropouts)."""
         params = self._checked_params(None)
-        self._validate("x", x, self.input_shape())
+        self._validate_input("x", x)
         with self._attention_stream(rng_seed, rng_offset):
             outs = self.fusion.fd.execute([x.contiguous(), *params, *self._rng_inputs(rng_seed, rng_offset)])
         return dict(zip(self.output_names, outs))
@@ -178,7 +201,7 @@ class ShardedBlock:
     def forward_train(self, x: torch.Tensor, rng_seed: int = 0, rng_offset: int = 0, params=None):
         """The forward that also returns what backward needs: (outputs by name, saved list)."""
         params = self._checked_params(params)
-        self._validate("x", x, self.input_shape())
+        self._validate_input("x", x)
         if self._train_fusion is None:
             self._train_fusion = build_forward(self.cfg, self._mesh_layout, check=self.check, train=True)
         with self._attention_stream(rng_seed, rng_offset):
@@ -208,7 +231,7 @@ class ShardedBlock:
                         params=None) -> list:
         """The backward fusion's inputs, checked, in its order (fusion.define_backward)."""
         params = self._checked_params(params)
-        self._validate("grad_out", grad_out, self.input_shape())
+        self._validate_input("grad_out", grad_out)
         if len(saved) != len(saved_names(self.cfg)):
             raise ValueError(f"saved: expected {len(saved_names(self.cfg))} tensors "
                              f"({', '.join(saved_names(self.cfg))}), got {len(saved)}")
@@ -295,6 +318,10 @@ class TPBlock(torch.nn.Module):
         self.runner.load(state)
         self.shards = torch.nn.ParameterList([torch.nn.Parameter(t) for t in self.runner._params])
         return self
+
+    def load_hf_gpt2(self, state: dict[str, torch.Tensor], layer: Optional[int] = None) -> "TPBlock":
+        """Take Hugging Face GPT-2 weights (weights.from_hf_gpt2); keep this rank's shards as parameters."""
+        return self.load_full_state_dict(from_hf_gpt2(state, self.cfg, layer))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         runner = self.runner

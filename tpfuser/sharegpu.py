@@ -7,7 +7,7 @@ then runs `python -m tpfuser.cli ARGS` in its place:
   one host ("Duplicate GPU detected"); ranks of different hosts it connects
   through its socket transport, here over loopback (NCCL_SOCKET_IFNAME=lo).
 - LOCAL_RANK (the GPU) = local rank modulo the GPUs the launcher saw, and
-  LOCAL_WORLD_SIZE = 1: each rank believes it is alone on its node.
+  LOCAL_WORLD_SIZE = those GPUs: a node of that many ranks, as far as each rank knows.
 - nvFuser's store is served by rank 0 alone: NVFUSER_MASTER_ADDR "localhost"
   for it, "127.0.0.1" for the others (each rank is its node's local rank 0, and
   nvFuser's Communicator would otherwise start a server in every one); its port
@@ -30,7 +30,7 @@ def rank_environment(environ: dict[str, str]) -> dict[str, str]:
     rank, local_rank = env.get("RANK", "0"), int(env.get("LOCAL_RANK", "0"))
     gpus = max(1, int(env.get(SHARED_GPU_MARK, "1")))
     env.update(NCCL_HOSTID=f"tpfuser-shared-gpu-rank-{rank}", NCCL_IB_DISABLE="1", NCCL_NVLS_ENABLE="0",
-               LOCAL_RANK=str(local_rank % gpus), LOCAL_WORLD_SIZE="1",
+               LOCAL_RANK=str(local_rank % gpus), LOCAL_WORLD_SIZE=str(gpus),
                NVFUSER_MASTER_ADDR="localhost" if rank == "0" else "127.0.0.1")
     env.setdefault("NCCL_SOCKET_IFNAME", "lo")
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")

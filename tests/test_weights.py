@@ -1,0 +1,205 @@
+"""Weights from Hugging Face GPT-2 and the checks every load makes (CPU; the
+fusion's own agreement with HF's block is a GPU test at the end)."""
+import os
+
+import pytest
+import torch
+
+from tpfuser.config import Layout, preset
+from tpfuser.reference import Block, make_block, make_input
+from tpfuser.runtime import ShardedBlock
+from tpfuser.weights import from_hf_gpt2
+
+transformers = pytest.importorskip("transformers")
+from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block  # noqa: E402
+
+
+def hf_config(cfg, n_layer=1):
+    """HF's GPT-2 with the block's math: GELU tanh ("gelu_new"), LayerNorm eps 1e-5, no dropout."""
+    config = GPT2Config(n_embd=cfg.n_embd, n_head=cfg.n_head, n_inner=4 * cfg.n_embd, n_layer=n_layer,
+                        n_positions=cfg.seq, vocab_size=50, activation_function="gelu_new", layer_norm_epsilon=1e-5,
+                        resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0)
+    config._attn_implementation = "eager"
+    return config
+
+
+def hf_block(cfg, seed=0):
+    """A GPT2Block with random weights (no download); LayerNorms perturbed off 1 and 0."""
+    torch.manual_seed(seed)
+    block = GPT2Block(hf_config(cfg)).eval()
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            p.copy_((1.0 if name.startswith("ln_") and name.endswith("weight") else 0.0) + 0.05 * torch.randn_like(p))
+    return block
+
+
+def hf_forward(block, x):
+    """GPT2Block alone applies no causal mask: GPT2Model builds it; here it is passed as GPT2Model would."""
+    s = x.shape[1]
+    causal = torch.full((s, s), float("-inf")).triu(1)[None, None]   # (1, 1, s, s), added to the scores
+    out = block(x, attention_mask=causal)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def rel_l2(a, b):
+    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)).item()
+
+
+CFG = preset("tiny", dtype="fp32", dropout=0.0)
+
+
+def test_hf_block_and_reference_agree():
+    """The converted weights make the reference compute HF's block: only the
+    order of summation differs in fp32. The branch (out - x) is compared, since
+    x dominates out."""
+    hf = hf_block(CFG)
+    ref = Block(CFG)
+    ref.load_state_dict(from_hf_gpt2(hf.state_dict(), CFG))
+    x = make_input(CFG)
+    with torch.no_grad():
+        expected, got = hf_forward(hf, x), ref(x)
+    assert rel_l2(got - x, expected - x) < 1e-6
+
+
+def test_square_c_proj_left_transposed_shows():
+    """The teeth of the test above: skipping the transpose of the square weight
+    (which no shape check can see) is far outside its tolerance."""
+    hf = hf_block(CFG)
+    state = from_hf_gpt2(hf.state_dict(), CFG)
+    state["attn.c_proj.weight"] = state["attn.c_proj.weight"].t()
+    ref = Block(CFG)
+    ref.load_state_dict(state)
+    x = make_input(CFG)
+    with torch.no_grad():
+        assert rel_l2(ref(x) - x, hf_forward(hf, x) - x) > 0.1
+
+
+def test_one_layer_of_a_whole_model():
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(hf_config(CFG, n_layer=2))
+    state = model.state_dict()
+    got = from_hf_gpt2(state, CFG, layer=1)
+    expected = from_hf_gpt2(model.transformer.h[1].state_dict(), CFG)
+    assert got.keys() == expected.keys()
+    for name in got:
+        assert torch.equal(got[name], expected[name]), name
+    assert not torch.equal(got["attn.c_attn.weight"], from_hf_gpt2(state, CFG, layer=0)["attn.c_attn.weight"])
+    # GPT2Model's keys have no "transformer." prefix
+    assert torch.equal(from_hf_gpt2(model.transformer.state_dict(), CFG, layer=1)["mlp.c_fc.weight"],
+                       got["mlp.c_fc.weight"])
+
+
+@pytest.fixture
+def block():
+    return ShardedBlock(CFG, Layout(1, 1), device=torch.device("cpu"))
+
+
+def nanogpt_state():
+    return dict(make_block(CFG).state_dict())
+
+
+def hf_state():
+    return dict(hf_block(CFG).state_dict())
+
+
+def with_(state, name, value):
+    state[name] = value
+    return state
+
+
+def _nan_inf(t):
+    t = t.clone()
+    t.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    return t
+
+
+# Every refusal of a load, with the words its message must carry.
+LOAD_REFUSALS = [
+    ("hf_dict_to_nanogpt_load", lambda b: b.load(hf_state()),
+     ["looks like Hugging Face GPT-2's Conv1D layout", "attn.c_attn.weight (64, 192)", "load_hf_gpt2"]),
+    ("hf_model_dict_to_nanogpt_load",
+     lambda b: b.load(GPT2LMHeadModel(hf_config(CFG, n_layer=2)).state_dict()),
+     ["looks like a whole model's (layers h.0..h.1)", "layer=i"]),
+    ("nanogpt_dict_to_hf_load", lambda b: b.load_hf_gpt2(nanogpt_state()),
+     ["looks like nanoGPT's nn.Linear layout", "attn.c_attn.weight (192, 64)", "block.load(state)"]),
+    ("hf_model_dict_without_layer", lambda b: b.load_hf_gpt2(GPT2LMHeadModel(hf_config(CFG, n_layer=2)).state_dict()),
+     ["holds layers h.0..h.1 of a model", "pass layer=i (0 <= i <= 1)"]),
+    ("hf_layer_out_of_range", lambda b: b.load_hf_gpt2(GPT2LMHeadModel(hf_config(CFG, n_layer=2)).state_dict(), layer=2),
+     ["layer=2: the state_dict has no keys 'transformer.h.2.'", "(it has h.0..h.1)"]),
+    ("hf_block_with_layer", lambda b: b.load_hf_gpt2(hf_state(), layer=0),
+     ["layer=0", "holds no model layers"]),
+    ("hf_wrong_size", lambda b: b.load_hf_gpt2(with_(hf_state(), "mlp.c_fc.bias", torch.zeros(100))),
+     ["mlp.c_fc.bias: expected shape (256,) in Hugging Face's layout for n_embd=64, got (100,)"]),
+    ("int64_weight", lambda b: b.load(with_(nanogpt_state(), "mlp.c_fc.weight", torch.ones(256, 64, dtype=torch.int64))),
+     ["mlp.c_fc.weight: expected a floating-point tensor, got torch.int64"]),
+    ("bool_weight_hf", lambda b: b.load_hf_gpt2(with_(hf_state(), "ln_1.bias", torch.ones(64, dtype=torch.bool))),
+     ["ln_1.bias: expected a floating-point tensor, got torch.bool"]),
+    ("nan_weight", lambda b: b.load(with_(nanogpt_state(), "attn.c_proj.weight",
+                                          _nan_inf(nanogpt_state()["attn.c_proj.weight"]))),
+     ["attn.c_proj.weight: 3 of 4096 elements are not finite (1 NaN, 2 inf)"]),
+    ("nan_weight_hf", lambda b: b.load_hf_gpt2(with_(hf_state(), "ln_2.weight", _nan_inf(torch.ones(64)))),
+     ["ln_2.weight: 3 of 64 elements are not finite (1 NaN, 2 inf)"]),
+    ("overflow_in_cast", lambda b: b.load(with_(nanogpt_state(), "ln_1.bias", torch.full((64,), 1e300, dtype=torch.float64))),
+     ["ln_1.bias cast to fp32: 64 of 64 elements are not finite (0 NaN, 64 inf)"]),
+    ("not_a_tensor", lambda b: b.load(with_(nanogpt_state(), "ln_1.bias", [0.0] * 64)),
+     ["ln_1.bias: expected a torch.Tensor, got list"]),
+    ("int_shard", lambda b: b.load_shards([torch.zeros(b.local_param_shape(n), dtype=torch.int32)
+                                           for n in b.fusion.inputs if n != "x"]),
+     ["ln_1.weight: expected a floating-point tensor, got torch.int32"]),
+    ("nan_shard", lambda b: b.load_shards([_nan_inf(torch.zeros(b.local_param_shape(n))) if n == "mlp.c_fc.bias"
+                                           else torch.zeros(b.local_param_shape(n)) for n in b.fusion.inputs if n != "x"]),
+     ["mlp.c_fc.bias: 3 of 256 elements are not finite (1 NaN, 2 inf)"]),
+]
+
+
+@pytest.mark.parametrize("load, words", [c[1:] for c in LOAD_REFUSALS], ids=[c[0] for c in LOAD_REFUSALS])
+def test_load_refusals_name_the_thing(block, load, words):
+    with pytest.raises(ValueError) as err:
+        load(block)
+    for w in words:
+        assert w in str(err.value), str(err.value)
+
+
+def test_finite_inputs_checked_only_when_asked():
+    x = torch.zeros(4, 16, 64)
+    x[0, 0, :5] = float("nan")
+    checked = ShardedBlock(CFG, Layout(1, 1), device=torch.device("cpu"), check_finite=True)
+    checked._params = []   # pretend loaded: the input is checked first
+    with pytest.raises(ValueError, match=r"x: 5 of 4096 elements are not finite \(5 NaN, 0 inf\)"):
+        checked(x)
+    unchecked = ShardedBlock(CFG, Layout(1, 1), device=torch.device("cpu"))
+    unchecked._params = []
+    with pytest.raises(ValueError, match="x: expected a CUDA tensor"):   # past the values, to the device
+        unchecked(x)
+
+
+def test_a_good_dict_passes_every_check(block):
+    """The checks refuse only what they should: both layouts reach the device
+    check of the shards (this CPU block's shards are not on a GPU)."""
+    for load in (lambda: block.load(nanogpt_state()), lambda: block.load_hf_gpt2(hf_state())):
+        with pytest.raises(ValueError, match="ln_1.weight: expected a CUDA tensor"):
+            load()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fusion_matches_hf_gpt2_block(dtype, no_tf32):
+    """The fusion on HF's weights against HF's block, on the branch (out - x),
+    to check.TOLERANCES; in bf16 HF runs in fp32 on the bf16-rounded weights
+    and input, as check.py runs the reference."""
+    os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
+    from tpfuser.check import TOLERANCES
+    cfg = CFG.replace(dtype=dtype)
+    hf = hf_block(cfg)
+    if dtype == "bf16":
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.copy_(p.bfloat16().float())
+    block = ShardedBlock(cfg, Layout(1, 1)).load_hf_gpt2(hf.state_dict())
+    x = make_input(cfg).to(cfg.torch_dtype).float()
+    with torch.no_grad():
+        expected = hf_forward(hf, x)
+    out = block(block.shard_input(x))["out"].float().cpu()
+    assert rel_l2(out, expected) <= TOLERANCES[dtype]
+    assert rel_l2(out - x, expected - x) <= 2 * TOLERANCES[dtype]
