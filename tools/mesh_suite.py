@@ -8,7 +8,10 @@ collectives nvFuser posted compared with the plan's.
 Writes OUT_DIR/<preset>_<dp>x<tp>[_sp].json (tpfuser check --json) and .log per
 job, then OUT_DIR/mesh_summary.json and a table. Jobs run at once while their
 ranks fit in RANKS_AT_ONCE and their estimated GPU memory (launch.shared_gpu_bytes)
-in the GPU's free memory; each is bounded by JOB_S seconds.
+in the GPU's free memory, in the order named (groups: widest first); each is
+bounded by JOB_S seconds, and by DEADLINE_S for the whole suite: no job starts
+with less than MIN_JOB_S left, and a job still running then is ended (all its
+ranks: launch.run_bounded) and reported as such.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ JOBS = {
 }
 RANKS_AT_ONCE = int(os.environ.get("RANKS_AT_ONCE", "24"))
 JOB_S = int(os.environ.get("JOB_S", "480"))
+DEADLINE_S = int(os.environ.get("DEADLINE_S", "100000"))
+MIN_JOB_S = int(os.environ.get("MIN_JOB_S", "120"))
 
 
 def job_name(name, dp, tp, sp) -> str:
@@ -40,12 +45,20 @@ def main(out: str, groups: list[str]) -> int:
     import torch
     os.makedirs(out, exist_ok=True)
     free = torch.cuda.mem_get_info(0)[0] * 0.9
-    every = [job for jobs in JOBS.values() for job in jobs]
-    todo = [job for job in every if job[0] in groups or job_name(*job[:4]) in groups]
-    todo.sort(key=lambda j: -j[1] * j[2])   # the widest first
+    todo = []
+    for want in groups:   # in the order named; a group's jobs widest first
+        jobs = JOBS.get(want) or [j for jobs in JOBS.values() for j in jobs if job_name(*j[:4]) == want]
+        if not jobs:
+            raise SystemExit(f"{want!r}: neither a group ({', '.join(JOBS)}) nor a job")
+        todo += sorted((j for j in jobs if j not in todo), key=lambda j: -j[1] * j[2])
     running, done = [], {}
     start = time.time()
     while todo or running:
+        left = DEADLINE_S - (time.time() - start)
+        if left < MIN_JOB_S:
+            for job in todo:
+                done[job_name(*job[:4])] = {"rc": None, "seconds": 0, "not_started": True}
+            todo = []
         for job in list(todo):
             name, dp, tp, sp, dtypes = job
             need = max(shared_gpu_bytes(preset(name, dtype=d), Layout(dp, tp, sp)) for d in dtypes)
@@ -59,7 +72,7 @@ def main(out: str, groups: list[str]) -> int:
             if sp:
                 cmd.append("--sp")
             log = open(os.path.join(out, tag + ".log"), "w")
-            env = {**os.environ, "TPFUSER_TIMEOUT_S": str(JOB_S)}
+            env = {**os.environ, "TPFUSER_TIMEOUT_S": str(int(min(JOB_S, left - 10)))}
             env.pop("NVFUSER_MASTER_PORT", None)   # each job's own, next to its torchrun port
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
             running.append((job, proc, need, time.time(), log))
@@ -80,7 +93,9 @@ def main(out: str, groups: list[str]) -> int:
     for tag, status in done.items():
         path = os.path.join(out, tag + ".json")
         report = json.load(open(path)) if os.path.exists(path) else None
-        summary[tag] = {**status, **(summarize(report) if report else {"ok": False, "error": "no report"})}
+        why = ("not started: too little time left" if status.get("not_started")
+               else "ended at its time bound" if status["rc"] == 124 else f"no report (exit {status['rc']})")
+        summary[tag] = {**status, **(summarize(report) if report else {"ok": False, "error": why})}
     with open(os.path.join(out, "mesh_summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(format_summary(summary))
@@ -100,11 +115,17 @@ def summarize(report: dict) -> dict:
             "wrong_stream_min": min((r["forward"]["wrong_stream_branch_rel_err"] for r in fine
                                      if "wrong_stream_branch_rel_err" in r["forward"]), default=None),
             "masks_equal": all(not any({**r["forward"]["mask_mismatches"],
-                                        **(r["backward"] or {}).get("mask_mismatches", {})}.values()) for r in fine),
-            "collectives_match": all(all(p["matches"] for p in (r["collectives"] or {}).values()) for r in fine),
+                                        **(r["backward"] or {}).get("mask_mismatches", {})}.values()) for r in fine)
+                           if fine else None,   # None: no rank got that far
+            "collectives_match": all(all(p["matches"] for p in (r["collectives"] or {}).values()) for r in fine)
+                                 if fine else None,
             "errors": sorted({r["error"][:200] for r in ranks if "error" in r}),
         }
     return out
+
+
+def yes_no(flag, yes: str) -> str:
+    return "-" if flag is None else yes if flag else "DIFF"
 
 
 def format_summary(summary: dict) -> str:
@@ -117,8 +138,8 @@ def format_summary(summary: dict) -> str:
             def f(x):
                 return "-" if x is None else f"{x:.1e}"
             lines.append(f"{tag:18} {dtype:5} {c['ranks_ok']:>3}/{c['ranks']:<4} {f(c['worst_out']):>8} "
-                         f"{f(c['worst_grad']):>8} {'equal' if c['masks_equal'] else 'DIFF':>6} "
-                         f"{'plan' if c['collectives_match'] else 'DIFF':>5} {s['seconds']:5.0f}"
+                         f"{f(c['worst_grad']):>8} {yes_no(c['masks_equal'], 'equal'):>6} "
+                         f"{yes_no(c['collectives_match'], 'plan'):>5} {s['seconds']:5.0f}"
                          + (f"  {c['errors'][0][:120]}" if c["errors"] else ""))
     return "\n".join(lines)
 

@@ -43,8 +43,8 @@ if os.path.exists(mesh):
             def f(x):
                 return "-" if x is None else f"{x:.1e}"
             rows.append((f"mesh {tag} {dtype}", f"{c['ranks_ok']}/{c['ranks']} ranks ok, out {f(c['worst_out'])}, "
-                         f"grads {f(c['worst_grad'])}, masks {'equal' if c['masks_equal'] else 'DIFFER'}, "
-                         f"collectives {'as planned' if c['collectives_match'] else 'NOT as planned'}"
+                         f"grads {f(c['worst_grad'])}, masks {'-' if c['masks_equal'] is None else 'equal' if c['masks_equal'] else 'DIFFER'}, "
+                         f"collectives {'-' if c['collectives_match'] is None else 'as planned' if c['collectives_match'] else 'NOT as planned'}"
                          + (f"; {c['errors'][0][:100]}" if c["errors"] else "")))
         if "cases" not in m:
             rows.append((f"mesh {tag}", f"exit {m['rc']}: {m.get('error')}"))
