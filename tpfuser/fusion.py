@@ -189,20 +189,20 @@ def saved_names(cfg: BlockConfig) -> list[str]:
 
 
 def _split_heads(fd, qkv, cfg):
-    """(b, s, 3e) with rows ordered [h, 3, d] -> q, k, v each (b, h, s, d).
-
-    qkv is first written out (one kernel: the multiplication by one) in the order
-    (3, b, s, h, d), so that q, k and v are each a contiguous block of it, not a
+    """(b, s, 3e) with rows ordered [h, 3, d] -> q, k, v each (b, h, s, d), each
+    written out by a kernel of its own (the multiplication by one), not left a
     strided view of qkv: with one head per rank nvFuser 0.2.36 misreads such a
-    view (a size-1 head axis between the sequence and the head dimension fails
-    its stride validation; tools/repro_one_head.py, NOTES.md)."""
+    view's strides (its size-1 head axis between the sequence and the head dim;
+    NOTES.md has the reproducer)."""
     b, s, h, d = cfg.batch, cfg.seq, cfg.n_head, cfg.head_dim
-    qkv = fd.ops.permute(fd.ops.reshape(qkv, new_shape=[b, s, h, 3, d]), dims=[3, 0, 1, 2, 4])   # (3, b, s, h, d)
-    qkv = fd.ops.cast(fd.ops.mul(fd.ops.cast(qkv, DataType.Float), 1.0), _NV_DTYPE[cfg.torch_dtype])
-    return tuple(fd.ops.permute(fd.ops.squeeze(fd.ops.slice(qkv, start_indices=[i, 0, 0, 0, 0],
-                                                            end_indices=[i + 1, b, s, h, d]), dims=[0]),
-                                dims=[0, 2, 1, 3])   # (b, h, s, d)
-                 for i in range(3))
+    # Reshape before slicing, so that the tp split (on heads) is not sliced.
+    qkv = fd.ops.reshape(qkv, new_shape=[b, s, h, 3 * d])  # (b, s, h, 3d)
+
+    def part(i):
+        t = fd.ops.slice(qkv, start_indices=[0, 0, 0, i * d], end_indices=[b, s, h, (i + 1) * d])   # (b, s, h, d)
+        t = fd.ops.cast(fd.ops.mul(fd.ops.cast(t, DataType.Float), 1.0), _NV_DTYPE[cfg.torch_dtype])
+        return fd.ops.permute(t, dims=[0, 2, 1, 3])   # (b, h, s, d)
+    return tuple(part(i) for i in range(3))
 
 
 def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, train: bool = False) -> ForwardFusion:
