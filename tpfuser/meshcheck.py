@@ -50,8 +50,10 @@ def _check_case(cfg: BlockConfig, layout: Layout, rank: int, args, dp_group) -> 
 
 
 def run_checks(cfgs: list[BlockConfig], layout: Layout, args) -> int:
-    """Check every case on this rank; rank 0 prints every rank's results and
-    writes them to args.json. Exit code 0 when every rank passed every case."""
+    """Check every case on this rank. After each case rank 0 gathers every
+    rank's results, prints them and rewrites args.json, so that a run ended at
+    its time bound keeps the cases it finished. Exit code 0 when every rank
+    passed every case."""
     from tpfuser.launch import dp_group, init_rank
     rank = init_rank(layout)
     group = None
@@ -60,22 +62,24 @@ def run_checks(cfgs: list[BlockConfig], layout: Layout, args) -> int:
         if not dist.is_initialized():   # gloo: barriers, gathers and the dp gradient sum, apart from nvFuser's NCCL
             dist.init_process_group("gloo")
         group = dp_group(layout, rank) if layout.dp > 1 else None
-    mine = [_check_case(cfg, layout, rank, args, group) for cfg in cfgs]
-    every = [mine]
-    if layout.world_size > 1:
-        every = [None] * layout.world_size
-        dist.gather_object(mine, every if rank == 0 else None, dst=0)
-    ok = True
-    if rank == 0:
-        cases = [{"dtype": cfg.dtype, "dropout": cfg.dropout, "ranks": [ranks[i] for ranks in every]}
-                 for i, cfg in enumerate(cfgs)]
-        ok = all(r["ok"] for case in cases for r in case["ranks"])
-        report = {"environment": environment(), "preset": args.preset, "mesh": f"{layout.dp}x{layout.tp}",
-                  "sp": layout.sp, "config": [cfg.__dict__ for cfg in cfgs], "cases": cases, "ok": ok}
-        print(format_checks(report), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1)
+    report = {"environment": environment() if rank == 0 else None, "preset": args.preset,
+              "mesh": f"{layout.dp}x{layout.tp}", "sp": layout.sp, "config": [cfg.__dict__ for cfg in cfgs],
+              "cases": [], "ok": False}
+    for cfg in cfgs:
+        mine = _check_case(cfg, layout, rank, args, group)
+        ranks = [mine]
+        if layout.world_size > 1:
+            ranks = [None] * layout.world_size
+            dist.gather_object(mine, ranks if rank == 0 else None, dst=0)
+        if rank == 0:
+            report["cases"].append({"dtype": cfg.dtype, "dropout": cfg.dropout, "ranks": ranks})
+            report["ok"] = all(r["ok"] for case in report["cases"] for r in case["ranks"])
+            report["complete"] = len(report["cases"]) == len(cfgs)
+            print(format_checks(report, only_last=True), flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(report, f, indent=1)
+    ok = report["ok"]
     if layout.world_size > 1:
         flag = [ok]
         dist.broadcast_object_list(flag, src=0)
@@ -88,15 +92,16 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.1e}"
 
 
-def format_checks(report: dict) -> str:
-    """One line a rank and case: errors against tolerances, masks, collectives."""
+def format_checks(report: dict, only_last: bool = False) -> str:
+    """One line a rank and case: errors against tolerances, masks, collectives.
+    only_last: the header and the last case only (printed as each case ends)."""
     env = report["environment"]
     lines = [f"check {report['preset']} mesh {report['mesh']}{' +sp' if report['sp'] else ''} on {env['gpu']}"
              + (f" ({env['gpus_shared']} GPU shared by all ranks: timings here are not speed figures)"
                 if env["gpus_shared"] else ""),
              f"{'dtype':5} {'p':>4} {'rank':>4} {'out err':>8} {'tol':>6} {'branch':>8} {'wrong-stream':>12} "
              f"{'grad worst':>10} {'tol':>6} {'masks':>6} {'collectives':>11}  verdict"]
-    for case in report["cases"]:
+    for case in report["cases"][-1:] if only_last else report["cases"]:
         for r in case["ranks"]:
             head = f"{case['dtype']:5} {case['dropout']:4.2f} {r['rank']:4d}"
             if "error" in r:
@@ -112,5 +117,6 @@ def format_checks(report: dict) -> str:
                          f"{_fmt(bwd and bwd['worst']):>10} {_fmt(bwd and bwd['tolerance']):>6} {masks:>6} {colls:>11}  "
                          + ("ok" if r["ok"] else "FAIL"))
     lines.append("collectives: posted/planned per fusion (forward, training forward, backward); ! = differs from the plan")
-    lines.append("all ranks within tolerance" if report["ok"] else "SOME RANK FAILED")
+    if not only_last or report.get("complete", True):
+        lines.append("all ranks within tolerance" if report["ok"] else "SOME RANK FAILED")
     return "\n".join(lines)

@@ -1,0 +1,39 @@
+"""tools/mesh_suite.py on the reports the H200 wrote (run 9): verdicts under
+today's rules, and the README's table drawn from them."""
+import glob
+import json
+import sys
+
+sys.path.insert(0, "tools")
+import mesh_suite  # noqa: E402
+
+RUN9 = "results/2026-12-03-h200/run9"
+
+
+def _report(name):
+    return json.load(open(f"{RUN9}/{name}.json"))
+
+
+def test_verdicts_are_recomputed_from_the_figures():
+    # written under the old 5x wrong-stream rule (tiny: 3.1-4.1x), passing under today's 2x
+    tiny = _report("tiny_2x2")
+    assert not tiny["ok"]
+    assert mesh_suite.summarize(tiny)["ok"]
+    (rank,) = [r for r in tiny["cases"][1]["ranks"] if r["rank"] == 0]
+    rank["forward"]["wrong_stream_branch_rel_err"] = rank["forward"]["branch_rel_err"]   # a vacuous control
+    assert not mesh_suite.passed(rank)
+
+
+def test_a_failed_mesh_gives_no_verdict_on_masks_or_collectives():
+    case = mesh_suite.summarize(_report("tiny_1x8"))["cases"]["fp32"]
+    assert case["ranks_ok"] == 0 and case["masks_equal"] is None and case["collectives_match"] is None
+    assert "stride" in case["errors"][0]
+
+
+def test_the_table_has_a_row_per_report_and_dtype():
+    lines = mesh_suite.markdown_table([RUN9]).splitlines()
+    reports = [p for p in glob.glob(f"{RUN9}/*.json") if "cases" in json.load(open(p))]
+    assert len(lines) == 2 + 2 * len(reports)
+    row = next(line for line in lines if line.startswith("| tiny_1x2 | fp32 |"))
+    assert "| 2/2 | 2.0e-08 | 2.4e-07 | - | bit-exact | as planned | run9 (cac77df) |" in row
+    assert all(len(line.split("|")) == len(lines[0].split("|")) for line in lines)
