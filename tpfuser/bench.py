@@ -16,7 +16,6 @@ its parameter gradients over dp (runtime.sum_over_group, as DDP would).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
