@@ -78,7 +78,11 @@ def preflight(args) -> None:
     paths, a launch that contradicts itself or the mesh, a launch without CUDA
     (launch.check_launch), `check` without a GPU."""
     from tpfuser.launch import check_launch
-    _, layout = _check_cfgs(args)
+    cfgs, layout = _check_cfgs(args)
+    if getattr(args, "overlap", None) is not None:
+        from tpfuser.overlap import check_chunks, check_rates
+        check_chunks(cfgs[0], layout, args.overlap)
+        check_rates(args.bandwidth, args.tflops)
     for option in ("json", "png"):
         check_writable(getattr(args, option, None), f"--{option}")
     check_launch(layout if _RUNS_RANKS[args.command] else None, nvfuser=_IMPORTS_NVFUSER[args.command])
@@ -98,6 +102,11 @@ def cmd_plan(args) -> int:
     cfg, layout = _cfg(args)
     rep = plan_report(cfg, layout, args.preset)
     print(format_plan(rep))
+    if args.overlap is not None:
+        from tpfuser.overlap import format_overlap, overlap_model
+        rep["overlap"] = overlap_model(cfg, layout, args.overlap, args.bandwidth, args.tflops)
+        print()
+        print(format_overlap(rep["overlap"]))
     if args.json is not None:
         with open(args.json, "w") as f:
             json.dump(rep, f, indent=2)
@@ -192,7 +201,14 @@ def main(argv=None) -> int:
         p = sub.add_parser(name, help=hlp)
         _block_args(p, several_dtypes=name == "check")
         if name == "plan":
+            from tpfuser.overlap import BUSBW_GBPS, TFLOPS
             p.add_argument("--json", default=None, help="also write the plan as JSON here")
+            p.add_argument("--overlap", type=int, default=None, metavar="N",
+                           help="also model each collective overlapped with its GEMM in N chunks of the sequence")
+            p.add_argument("--bandwidth", type=float, default=BUSBW_GBPS,
+                           help=f"bus bandwidth for --overlap, GB/s (default {BUSBW_GBPS:.0f}, assumed)")
+            p.add_argument("--tflops", type=float, default=TFLOPS,
+                           help=f"matmul rate for --overlap, TFLOP/s (default {TFLOPS:.0f}, measured on an H200)")
         if name == "check":
             p.add_argument("--forward-only", action="store_true", help="skip the training forward and backward")
             p.add_argument("--collectives", action="store_true",

@@ -1,0 +1,107 @@
+"""A model of what overlapping the tensor-parallel collectives with their GEMMs can win.
+
+Each forward collective sits next to one linear (plan.collectives): under
+TP+SP an all-gather before each column-parallel linear and a reduce-scatter
+after each row-parallel one; under TP an all-reduce after each row-parallel
+linear. Cut the rank's sequence into N chunks and each such linear into N
+GEMMs: chunk i's communication runs while another chunk's GEMM computes. With
+c the collective's time and g its GEMM's, whole:
+
+    serial      c + g
+    overlapped  c/N + g/N + (N - 1) max(c, g)/N      (fill, steady state, drain)
+
+c = the bytes each rank sends (ring algorithms, plan.Collective) over the bus
+bandwidth; g = the GEMM's FLOPs per rank over the matmul rate. Both rates are
+stated by the caller, not measured here; the rest of the block (attention,
+LayerNorms, elementwise work) is counted at the matmul rate for its FLOPs only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tpfuser.config import BlockConfig, Layout
+from tpfuser.plan import Collective, collectives, forward_flops
+
+# Stated defaults, to be replaced by the caller's own figures:
+BUSBW_GBPS = 360.0    # an assumed NCCL bus bandwidth over 8 NVLink GPUs; `tpfuser bench --tp N` measures it
+TFLOPS = 689.0        # bf16 matmul rate at gpt3's GEMM shapes, measured on one H200 (run 8)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One collective and the GEMM it can hide behind, in milliseconds."""
+
+    collective: Collective
+    gemm: str            # the linear next to it (forward_flops' name)
+    comm_ms: float
+    gemm_ms: float
+    chunks: int
+
+    @property
+    def serial_ms(self) -> float:
+        return self.comm_ms + self.gemm_ms
+
+    @property
+    def overlapped_ms(self) -> float:
+        n, c, g = self.chunks, self.comm_ms, self.gemm_ms
+        return c / n + g / n + (n - 1) * max(c, g) / n
+
+    @property
+    def exposed_ms(self) -> float:
+        """The communication time the GEMM does not hide, overlapped."""
+        return self.overlapped_ms - self.gemm_ms
+
+
+def check_chunks(cfg: BlockConfig, layout: Layout, chunks: int) -> None:
+    """Refuse a chunk count that does not cut the rank's sequence evenly."""
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise ValueError(f"--overlap={chunks!r}: must be a positive number of chunks")
+    tokens = cfg.seq // layout.tp if layout.sp else cfg.seq
+    what = f"the rank's sequence slice seq/tp = {cfg.seq}/{layout.tp} = {tokens}" if layout.sp else f"seq = {cfg.seq}"
+    if tokens % chunks:
+        raise ValueError(f"--overlap={chunks}: must divide {what} (each chunk is a piece of the sequence)")
+
+
+def check_rates(busbw_gbps: float, tflops: float) -> None:
+    for name, value in (("bandwidth", busbw_gbps), ("tflops", tflops)):
+        if not value > 0 or value == float("inf"):
+            raise ValueError(f"--{name}={value!r}: must be a positive, finite rate")
+
+
+def overlap_model(cfg: BlockConfig, layout: Layout, chunks: int, busbw_gbps: float = BUSBW_GBPS,
+                  tflops: float = TFLOPS) -> dict:
+    """The forward's collectives with and without overlap, per rank, and the block's totals."""
+    layout.check(cfg)
+    check_chunks(cfg, layout, chunks)
+    check_rates(busbw_gbps, tflops)
+    flops = forward_flops(cfg, layout)
+    steps = [Step(c, c.where.split()[1], c.wire_bytes_per_rank / (busbw_gbps * 1e9) * 1e3,
+                  flops[c.where.split()[1]] / (tflops * 1e12) * 1e3, chunks) for c in collectives(cfg, layout)]
+    compute_ms = flops["total"] / (tflops * 1e12) * 1e3
+    comm_ms = sum(s.comm_ms for s in steps)
+    exposed_ms = sum(s.exposed_ms for s in steps)
+    return {
+        "chunks": chunks, "busbw_gbps": busbw_gbps, "tflops": tflops,
+        "steps": [{"kind": s.collective.kind, "where": s.collective.where, "wire_bytes_per_rank":
+                   s.collective.wire_bytes_per_rank, "comm_ms": s.comm_ms, "gemm": s.gemm, "gemm_ms": s.gemm_ms,
+                   "serial_ms": s.serial_ms, "overlapped_ms": s.overlapped_ms, "exposed_ms": s.exposed_ms}
+                  for s in steps],
+        "matmul_ms": compute_ms,
+        "exposed_comm_ms": {"serial": comm_ms, "overlapped": exposed_ms},
+        "forward_ms": {"serial": compute_ms + comm_ms, "overlapped": compute_ms + exposed_ms},
+    }
+
+
+def format_overlap(model: dict) -> str:
+    lines = [f"overlap model, forward, {model['chunks']} chunks, at {model['busbw_gbps']:.0f} GB/s bus bandwidth "
+             f"and {model['tflops']:.0f} TFLOP/s (stated, not measured here):",
+             f"  {'collective':<40}{'comm ms':>9}{'GEMM':>14}{'GEMM ms':>9}{'serial':>9}{'overlapped':>11}{'exposed':>9}"]
+    for s in model["steps"]:
+        lines.append(f"  {s['kind'] + ' ' + s['where']:<40}{s['comm_ms']:9.3f}{s['gemm']:>14}{s['gemm_ms']:9.3f}"
+                     f"{s['serial_ms']:9.3f}{s['overlapped_ms']:11.3f}{s['exposed_ms']:9.3f}")
+    e, f = model["exposed_comm_ms"], model["forward_ms"]
+    lines.append(f"  exposed communication: {e['serial']:.3f} ms serial, {e['overlapped']:.3f} ms overlapped; "
+                 f"matmuls {model['matmul_ms']:.3f} ms; forward (matmuls + exposed communication): "
+                 f"{f['serial']:.3f} ms serial, {f['overlapped']:.3f} ms overlapped")
+    return "\n".join(lines)
