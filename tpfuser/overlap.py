@@ -105,3 +105,55 @@ def format_overlap(model: dict) -> str:
                  f"matmuls {model['matmul_ms']:.3f} ms; forward (matmuls + exposed communication): "
                  f"{f['serial']:.3f} ms serial, {f['overlapped']:.3f} ms overlapped")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# The same decomposition in plain PyTorch (async collectives on the process
+# group's own stream, GEMMs on the caller's): the reference an overlapped
+# fusion is checked and timed against. Rows are tokens (b*s flattened, or s).
+
+def allgather_matmul(x_local, weight, group, chunks: int):
+    """y = all_gather(x) @ weight^T under sequence parallelism, the gather cut in
+    `chunks`: x_local [t/tp, n_in] is this rank's slice of the tokens (rank-major),
+    weight [n_out, n_in] a column-parallel shard; returns y [t, n_out], all tokens.
+    Chunk i holds piece i of every rank's slice; chunk i+1 is gathered while
+    chunk i's GEMM runs."""
+    import torch
+    import torch.distributed as dist
+    tp = dist.get_world_size(group)
+    pieces = [p.contiguous() for p in x_local.chunk(chunks, dim=0)]
+
+    def gather(i):
+        buf = x_local.new_empty((tp * pieces[i].shape[0], x_local.shape[1]))
+        return buf, dist.all_gather_into_tensor(buf, pieces[i], group=group, async_op=True)
+    outs, pending = [], gather(0)
+    for i in range(len(pieces)):
+        buf, work = pending
+        work.wait()
+        if i + 1 < len(pieces):
+            pending = gather(i + 1)
+        outs.append((buf @ weight.T).view(tp, -1, weight.shape[0]))   # (rank, piece rows, n_out)
+    return torch.cat(outs, dim=1).reshape(-1, weight.shape[0])        # rank-major: the global token order
+
+
+def matmul_reducescatter(h, weight, group, chunks: int):
+    """reduce_scatter(h @ weight^T) under sequence parallelism, cut in `chunks`:
+    h [t, n_in/tp] all tokens of a row-parallel input shard, weight [n_out, n_in/tp];
+    returns this rank's slice [t/tp, n_out] of the sum over ranks. Chunk i is
+    piece i of every rank's slice: its partial products are reduce-scattered
+    while chunk i+1's GEMM runs."""
+    import torch
+    import torch.distributed as dist
+    tp = dist.get_world_size(group)
+    t = h.shape[0]
+    if t % (tp * chunks):
+        raise ValueError(f"chunks={chunks}: must divide the rank's token slice {t}/{tp}")
+    rows = h.view(tp, chunks, t // (tp * chunks), h.shape[1])        # (rank, chunk, rows, n_in/tp)
+    outs, works = [], []
+    for i in range(chunks):
+        partial = (rows[:, i].reshape(-1, h.shape[1]) @ weight.T).contiguous()   # every rank's piece i, partial
+        outs.append(partial.new_empty((partial.shape[0] // tp, weight.shape[0])))
+        works.append(dist.reduce_scatter_tensor(outs[-1], partial, group=group, async_op=True))
+    for work in works:
+        work.wait()
+    return torch.cat(outs, dim=0)
