@@ -190,10 +190,11 @@ def saved_names(cfg: BlockConfig) -> list[str]:
 
 def _split_heads(fd, qkv, cfg):
     """(b, s, 3e) with rows ordered [h, 3, d] -> q, k, v each (b, h, s, d), each
-    written out by a kernel of its own (the multiplication by one), not left a
-    strided view of qkv: with one head per rank nvFuser 0.2.36 misreads such a
-    view's strides (its size-1 head axis between the sequence and the head dim;
-    NOTES.md has the reproducer)."""
+    passed through a kernel (the multiplication by one) and saved for the
+    backward, which then slices nothing. Meant to spare nvFuser 0.2.36 the
+    strided views it misreads with one head per rank; it does not (nvFuser
+    still makes each slice a view first: run 9, NOTES.md has the reproducer).
+    This is the form the mesh checks of run 9 passed with."""
     b, s, h, d = cfg.batch, cfg.seq, cfg.n_head, cfg.head_dim
     # Reshape before slicing, so that the tp split (on heads) is not sliced.
     qkv = fd.ops.reshape(qkv, new_shape=[b, s, h, 3 * d])  # (b, s, h, 3d)
