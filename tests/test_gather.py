@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tpfuser.config import Layout
-from tpfuser.plan import ACTIVATION_PLACEMENTS
+from tpfuser.plan import placements
 from tpfuser.runtime import gather_output
 from tpfuser.shard import local_slice
 
@@ -16,7 +16,7 @@ def _worker(rank, world, port, layout, full, queue):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        local = local_slice(full, ACTIVATION_PLACEMENTS["out"], layout, rank)
+        local = local_slice(full, placements(Layout())["out"], layout, rank)
         queue.put((rank, torch.equal(gather_output(local, layout), full)))
     finally:
         dist.destroy_process_group()

@@ -3,7 +3,9 @@ import pytest
 import torch
 
 from tpfuser.config import Layout, preset
-from tpfuser.plan import PLACEMENTS
+from tpfuser.plan import placements
+
+PLACEMENTS = placements(Layout())   # tensor parallelism alone
 from tpfuser.reference import make_block, make_input
 from tpfuser.shard import (gather, local_slice, qkv_blocked, qkv_heads_interleaved, rank_params,
                            fusion_params, simulate_tp_forward)

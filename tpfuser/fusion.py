@@ -50,6 +50,7 @@ from tpfuser.config import BlockConfig, Layout
 from tpfuser.dropout import hash_positions, keep_threshold
 from tpfuser.plan import DP, TP, placements, saved_specs
 from tpfuser.reference import LN_EPS, PARAM_NAMES, param_shapes
+from tpfuser.tensors import MASKS
 
 _NV_DTYPE = {torch.bfloat16: DataType.BFloat16, torch.float32: DataType.Float}
 _MESH_AXIS = {DP: ParallelType.mesh_y, TP: ParallelType.mesh_x}
@@ -58,9 +59,13 @@ _MESH_AXIS = {DP: ParallelType.mesh_y, TP: ParallelType.mesh_x}
 # so that a rank's mask is its slice of the unsharded run's mask. The fusion
 # takes, after the tensors, the key of each stream it draws and where the
 # rank's slice begins (rng_input_names).
-MASK_STARTS = {"resid_attn": ("start.batch", "start.seq", None),       # [b, s, e]
-               "resid_mlp": ("start.batch", "start.seq", None),
-               "attn": ("start.batch", "start.head", None, None)}     # [b, h, s, s]
+# Per mask's dimension, the scalar input where the rank's slice begins, for
+# the dimensions some layout splits (tensors.py): batch, heads, and the
+# sequence where sequence parallelism splits it. resid: [b, s, e]; attn: [b, h, s, s].
+_STARTS = {"b": "start.batch", "h": "start.head", "s": "start.seq"}
+MASK_STARTS = {stream: tuple(_STARTS[dim] if dim in ("b", "h") or (dim == "s" and mask.seq_split) else None
+                             for dim in mask.dims)
+               for stream, mask in MASKS.items()}
 
 
 @dataclass

@@ -11,8 +11,9 @@ Megatron-LM tensor parallelism (Shoeybi et al., 2019) on a dp x tp mesh:
 
 LayerNorms, residuals and the residual dropouts are replicated over tp. The
 batch is split over dp everywhere and never resharded; weights are replicated
-over dp. The schedule (fusion.py), the weight slicer (shard.py), the `plan`
-command and the tests all read the placements below.
+over dp. Each tensor's placement follows from its dimensions in tensors.py
+(`placement`); the schedule (fusion.py), the weight slicer (shard.py), the
+`plan` command and the tests all read `placements`.
 """
 
 from __future__ import annotations
@@ -22,60 +23,36 @@ from dataclasses import dataclass
 
 from tpfuser.config import BlockConfig, Layout
 from tpfuser.reference import param_shapes
+from tpfuser.tensors import TENSORS, TP_DIMS, Tensor, saved
 
 # A placement maps a tensor dimension to the mesh axis that splits it.
 DP, TP = "dp", "tp"
 Placement = dict[int, str]
 
-PARAM_PLACEMENTS: dict[str, Placement] = {
-    "ln_1.weight": {}, "ln_1.bias": {},
-    "attn.c_attn.weight": {0: TP}, "attn.c_attn.bias": {0: TP},   # column-parallel
-    "attn.c_proj.weight": {1: TP}, "attn.c_proj.bias": {},         # row-parallel
-    "ln_2.weight": {}, "ln_2.bias": {},
-    "mlp.c_fc.weight": {0: TP}, "mlp.c_fc.bias": {0: TP},           # column-parallel
-    "mlp.c_proj.weight": {1: TP}, "mlp.c_proj.bias": {},            # row-parallel
-}
+def placement(tensor: Tensor, sp: bool = False) -> Placement:
+    """Which mesh axis splits each dimension of a tensor (tensors.py): the batch
+    over dp; heads, the heads' concatenation, c_attn's rows and the MLP hidden
+    over tp; with sequence parallelism the sequence over tp too, where tensor
+    parallelism would replicate it."""
+    where = {}
+    for i, dim in enumerate(tensor.dims):
+        if dim == "b":
+            where[i] = DP
+        elif dim in TP_DIMS or (dim == "s" and sp and tensor.seq_split):
+            where[i] = TP
+    return where
 
-ACTIVATION_PLACEMENTS: dict[str, Placement] = {
-    "x": {0: DP},                      # [b, s, e]
-    "out": {0: DP},                    # [b, s, e]
-    "resid_attn_keep": {0: DP},        # [b, s, e], replicated over tp as in Megatron
-    "resid_mlp_keep": {0: DP},         # [b, s, e]
-    "attn_keep": {0: DP, 1: TP},       # [b, h, s, s], heads split over tp
-}
 
-# What the training forward saves for backward (fusion.saved_names). Inside
-# attention and the MLP the tp layout is the forward's: heads, or the 4e hidden.
-SAVED_PLACEMENTS: dict[str, Placement] = {
-    "ln_1.mean": {0: DP}, "ln_1.rstd": {0: DP},        # [b, s] float
-    "q": {0: DP, 1: TP}, "k": {0: DP, 1: TP}, "v": {0: DP, 1: TP},   # [b, h, s, d], heads over tp
-    "sdpa_out": {0: DP, 1: TP},                         # [b, h, s, d] (bf16 only)
-    "sdpa_lse": {0: DP, 1: TP},                         # [b, h, s] float
-    "sdpa_seed": {}, "sdpa_offset": {},                 # flash attention's philox state, per rank
-    "x1": {0: DP},                                      # [b, s, e] float: the residual after attention
-    "ln_2.mean": {0: DP}, "ln_2.rstd": {0: DP},
-    "mlp_h": {0: DP, 2: TP},                            # [b, s, 4e] before GELU, 4e over tp
-}
+PARAM_PLACEMENTS: dict[str, Placement] = {t.name: placement(t) for t in TENSORS if t.role == "param"}
+
 
 def saved_specs(cfg: BlockConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """name -> (global shape, dtype) of what the training forward saves, in the
-    order the backward takes them. dtype: "block" (bf16/fp32), "f32", "u64" or "bool".
-    The fusion's dropout masks are saved (one byte an element, as eager PyTorch
-    saves them), not drawn again: nvFuser 0.2.36 fails to compile the hash in the
-    meshed backward (NOTES.md). Flash attention's (bf16) is replayed from its philox state."""
-    b, s, e, h, d = cfg.batch, cfg.seq, cfg.n_embd, cfg.n_head, cfg.head_dim
-    specs = {"ln_1.mean": ((b, s), "f32"), "ln_1.rstd": ((b, s), "f32"),
-             **{name: ((b, h, s, d), "block") for name in ("q", "k", "v")}}
-    if cfg.dtype == "bf16":
-        specs |= {"sdpa_out": ((b, h, s, d), "block"), "sdpa_lse": ((b, h, s), "f32"),
-                  "sdpa_seed": ((2,), "u64"), "sdpa_offset": ((), "u64")}
-    specs |= {"x1": ((b, s, e), "f32"), "ln_2.mean": ((b, s), "f32"), "ln_2.rstd": ((b, s), "f32"),
-              "mlp_h": ((b, s, 4 * e), "block")}
-    if cfg.dropout > 0:
-        specs |= {"resid_attn_keep": ((b, s, e), "bool"), "resid_mlp_keep": ((b, s, e), "bool")}
-        if cfg.dtype == "fp32":
-            specs |= {"attn_keep": ((b, h, s, s), "bool")}
-    return specs
+    order the backward takes them (tensors.saved). The fusion's dropout masks
+    are saved (one byte an element, as eager PyTorch saves them), not drawn
+    again: nvFuser 0.2.36 fails to compile the hash in the meshed backward
+    (NOTES.md). Flash attention's (bf16) is replayed from its philox state."""
+    return {t.name: (t.shape(cfg), t.dtype) for t in saved(cfg)}
 
 
 def saved_bytes_per_rank(cfg: BlockConfig, layout: Layout) -> int:
@@ -89,44 +66,12 @@ def saved_bytes_per_rank(cfg: BlockConfig, layout: Layout) -> int:
     return total
 
 
-# Backward: the upstream gradient and the input gradient are laid out like the
-# output and the input; every parameter gradient like its parameter. Parameter
-# gradients are replicated over dp: the backward runs on each dp rank's tp row
-# and the runtime sums them over dp after it (fusion.build_backward says why);
-# the input gradient's tp partial sums (from the two column-parallel linears)
-# are all-reduced over tp inside it, where Megatron reduces them.
-GRAD_PLACEMENTS: dict[str, Placement] = {
-    "grad_out": {0: DP}, "grad_x": {0: DP},
-    **{f"grad.{name}": placement for name, placement in PARAM_PLACEMENTS.items()},
-}
-
-# Intermediates of the backward that the schedule places too, where the
-# collectives go (as nvFuser's own sequence-parallel backward test does):
-# the gradients at the row-parallel linears' outputs and the recomputed
-# LayerNorm outputs, which the linears' gradients read whole (under SP:
-# all-gathered), and the gradients at the LayerNorms' outputs, the
-# column-parallel linears' input gradients summed over tp (all-reduced; under
-# SP reduce-scattered).
-BACKWARD_INTERMEDIATES: dict[str, Placement] = {
-    "g.mlp.c_proj.out": {0: DP}, "g.attn.c_proj.out": {0: DP},   # [b, s, e]
-    "ln_2.out": {0: DP}, "ln_1.out": {0: DP},                     # [b, s, e]
-    "g.ln_2.out": {0: DP}, "g.ln_1.out": {0: DP},                 # [b, s, e] float
-}
-
-PLACEMENTS: dict[str, Placement] = {**PARAM_PLACEMENTS, **ACTIVATION_PLACEMENTS, **SAVED_PLACEMENTS,
-                                    **GRAD_PLACEMENTS, **BACKWARD_INTERMEDIATES}
-
-# Sequence parallelism: what tensor parallelism replicates over tp (the block's
-# input and output, LayerNorms, residuals, residual dropouts) is split on the
-# sequence over tp instead. Inside attention and the MLP nothing changes.
-SP_OVERRIDES: dict[str, Placement] = {
-    name: {0: DP, 1: TP} for name in ("x", "out", "resid_attn_keep", "resid_mlp_keep", "ln_1.mean", "ln_1.rstd",
-                                      "x1", "ln_2.mean", "ln_2.rstd", "grad_out", "grad_x", "g.ln_2.out", "g.ln_1.out")}
-
-
 def placements(layout: Layout) -> dict[str, Placement]:
-    """Every named tensor's placement under this layout's parallelism."""
-    return {**PLACEMENTS, **SP_OVERRIDES} if layout.sp else PLACEMENTS
+    """Every named tensor's placement under this layout's parallelism.
+    Parameter gradients are laid out like their parameters and replicated over
+    dp: the backward runs on each dp rank's tp row and the runtime sums them
+    over dp after it (fusion.build_backward says why)."""
+    return {t.name: placement(t, layout.sp) for t in TENSORS}
 
 
 def local_shape(shape: tuple[int, ...], placement: Placement, layout: Layout) -> tuple[int, ...]:

@@ -1,8 +1,8 @@
 """The oracle: nanoGPT's Block in plain PyTorch (GELU tanh, as in Thunder's nanoGPT).
 
 Parameter names are nanoGPT's, so a nanoGPT `Block.state_dict()` loads as is.
-`PARAM_NAMES` is the one ordered list that fixes the order of the fusion's
-`define_tensor`s, of its `execute` inputs and of this module's state_dict.
+Their order and shapes are tensors.py's (`PARAM_NAMES`, `param_shapes`), the
+table the fusion's `define_tensor`s and `execute` inputs follow too.
 
 Dropout is applied through explicit masks when they are given (`Masks`), so
 that the reference can replay exactly what a fusion drew.
@@ -18,29 +18,15 @@ import torch
 import torch.nn as nn
 
 from tpfuser.config import BlockConfig
+from tpfuser.tensors import PARAMS
 
-PARAM_NAMES: tuple[str, ...] = (
-    "ln_1.weight", "ln_1.bias",
-    "attn.c_attn.weight", "attn.c_attn.bias",
-    "attn.c_proj.weight", "attn.c_proj.bias",
-    "ln_2.weight", "ln_2.bias",
-    "mlp.c_fc.weight", "mlp.c_fc.bias",
-    "mlp.c_proj.weight", "mlp.c_proj.bias",
-)
+PARAM_NAMES: tuple[str, ...] = tuple(p.name for p in PARAMS)   # nanoGPT's, in tensors.py's order
 
 LN_EPS = 1e-5
 
 
 def param_shapes(cfg: BlockConfig) -> dict[str, tuple[int, ...]]:
-    e = cfg.n_embd
-    return {
-        "ln_1.weight": (e,), "ln_1.bias": (e,),
-        "attn.c_attn.weight": (3 * e, e), "attn.c_attn.bias": (3 * e,),
-        "attn.c_proj.weight": (e, e), "attn.c_proj.bias": (e,),
-        "ln_2.weight": (e,), "ln_2.bias": (e,),
-        "mlp.c_fc.weight": (4 * e, e), "mlp.c_fc.bias": (4 * e,),
-        "mlp.c_proj.weight": (e, 4 * e), "mlp.c_proj.bias": (e,),
-    }
+    return {p.name: p.shape(cfg) for p in PARAMS}
 
 
 @dataclass

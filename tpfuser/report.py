@@ -9,17 +9,12 @@ import math
 from tpfuser.config import BlockConfig, Layout
 from tpfuser.plan import backward_collectives, collectives, forward_flops, local_shape, placements, saved_bytes_per_rank
 from tpfuser.reference import param_shapes
+from tpfuser.tensors import tensors
 
 
 def activation_shapes(cfg: BlockConfig) -> dict[str, tuple[int, ...]]:
-    b, s, e, h = cfg.batch, cfg.seq, cfg.n_embd, cfg.n_head
-    shapes = {"x": (b, s, e), "out": (b, s, e)}
-    if cfg.dropout > 0:
-        shapes["resid_attn_keep"] = (b, s, e)
-        shapes["resid_mlp_keep"] = (b, s, e)
-        if cfg.dtype == "fp32":
-            shapes["attn_keep"] = (b, h, s, s)
-    return shapes
+    """The forward's input, output and the dropout masks it draws (tensors.py)."""
+    return {t.name: t.shape(cfg) for t in tensors(cfg) if t.name in ("x", "out") or t.role == "mask"}
 
 
 def plan_report(cfg: BlockConfig, layout: Layout, preset_name: str = "") -> dict:

@@ -20,16 +20,16 @@ from tpfuser.dropout import STREAMS, flash_seed, stream_key
 from tpfuser.fusion import MASK_STARTS, build_backward, build_forward, rng_input_names, saved_names
 from tpfuser.plan import PARAM_PLACEMENTS, local_shape, placements
 from tpfuser.reference import PARAM_NAMES, param_shapes
+from tpfuser.tensors import MASKS
 from tpfuser.shard import fusion_params, local_slice, rank_params, slice_starts
 from tpfuser.weights import check_finite, check_nanogpt, check_tensor, from_hf_gpt2
 
 # The tensors each dropout stream masks (fusion.MASK_STARTS, plan.placements).
-MASKED = {"resid_attn": "resid_attn_keep", "resid_mlp": "resid_mlp_keep", "attn": "attn_keep"}
+MASKED = {stream: mask.name for stream, mask in MASKS.items()}
 
 
 def mask_shape(cfg: BlockConfig, stream: str) -> tuple[int, ...]:
-    b, s, e, h = cfg.batch, cfg.seq, cfg.n_embd, cfg.n_head
-    return (b, h, s, s) if stream == "attn" else (b, s, e)
+    return MASKS[stream].shape(cfg)
 
 
 def dropout_scalars(cfg: BlockConfig, layout: Layout, rank: int, rng_seed: int, rng_offset: int) -> dict[str, int]:

@@ -1,0 +1,48 @@
+"""The table of the block's tensors (tpfuser/tensors.py) and the placements that
+follow from their dimensions (plan.placement)."""
+import pytest
+
+from tpfuser.config import Layout, preset
+from tpfuser.plan import DP, TP, placements
+from tpfuser.reference import PARAM_NAMES, make_block
+from tpfuser.tensors import BY_NAME, TENSORS, dim_sizes, saved, tensors
+
+
+def test_names_are_unique_and_dims_known():
+    assert len(BY_NAME) == len(TENSORS)
+    known = set(dim_sizes(preset("tiny")))
+    assert all(set(t.dims) <= known for t in TENSORS)
+
+
+def test_parameters_are_the_reference_blocks():
+    cfg = preset("tiny")
+    state = make_block(cfg).state_dict()
+    assert list(state) == list(PARAM_NAMES)
+    assert all(tuple(state[n].shape) == BY_NAME[n].shape(cfg) for n in PARAM_NAMES)
+
+
+@pytest.mark.parametrize("name, tp, sp", [
+    ("attn.c_attn.weight", {0: TP}, {0: TP}),          # column-parallel: output rows
+    ("attn.c_proj.weight", {1: TP}, {1: TP}),          # row-parallel: input columns
+    ("attn.c_proj.bias", {}, {}),                      # added once, after the reduction
+    ("mlp.c_fc.bias", {0: TP}, {0: TP}),
+    ("x", {0: DP}, {0: DP, 1: TP}),                    # replicated over tp; SP splits the sequence
+    ("q", {0: DP, 1: TP}, {0: DP, 1: TP}),             # heads over tp, whole sequence under SP
+    ("mlp_h", {0: DP, 2: TP}, {0: DP, 2: TP}),
+    ("attn_keep", {0: DP, 1: TP}, {0: DP, 1: TP}),
+    ("g.mlp.c_proj.out", {0: DP}, {0: DP}),            # read whole by the weight gradient (SP: gathered)
+    ("g.ln_1.out", {0: DP}, {0: DP, 1: TP}),           # reduce-scattered under SP
+    ("grad.mlp.c_proj.weight", {1: TP}, {1: TP}),
+    ("sdpa_seed", {}, {}),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_placements_follow_from_the_dims(name, tp, sp):
+    assert placements(Layout(2, 4))[name] == tp
+    assert placements(Layout(2, 4, sp=True))[name] == sp
+
+
+def test_saved_depend_on_dtype_and_dropout():
+    names = lambda **kw: [t.name for t in saved(preset("tiny", **kw))]   # noqa: E731
+    assert names(dtype="bf16", dropout=0.0) == ["ln_1.mean", "ln_1.rstd", "q", "k", "v", "sdpa_out", "sdpa_lse",
+                                                "sdpa_seed", "sdpa_offset", "x1", "ln_2.mean", "ln_2.rstd", "mlp_h"]
+    assert names(dtype="fp32", dropout=0.1)[-3:] == ["resid_attn_keep", "resid_mlp_keep", "attn_keep"]
+    assert [t.name for t in tensors(preset("tiny", dtype="bf16"), "mask")] == ["resid_attn_keep", "resid_mlp_keep"]

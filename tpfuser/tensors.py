@@ -1,0 +1,149 @@
+"""The block's tensors, one ordered table: what each is, its dimensions, its
+dtype and when it exists. Their placements on the mesh follow from the
+dimensions (plan.py); the fusions, the runtime, the plan, the report and the
+tests read this table.
+
+Dimensions are named by what they are, so that the sharding reads off them:
+  b batch, s sequence, e hidden (n_embd), h heads, d head dim, two a pair,
+  hd  heads x head dim (= e): attention's output, the row-parallel c_proj's input,
+  q3  heads x (q, k, v) x head dim (= 3e): c_attn's output rows, head by head,
+  f   the MLP hidden (= 4e).
+Megatron-LM's tensor parallelism splits h, hd, q3 and f over tp (column-parallel
+outputs, row-parallel inputs) and b over dp; sequence parallelism splits s
+over tp too, in the tensors tensor parallelism would replicate (`seq_split`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from tpfuser.config import BlockConfig
+
+TP_DIMS = ("h", "hd", "q3", "f")
+
+
+def dim_sizes(cfg: BlockConfig) -> dict[str, int]:
+    e = cfg.n_embd
+    return {"b": cfg.batch, "s": cfg.seq, "e": e, "h": cfg.n_head, "d": cfg.head_dim, "hd": e, "q3": 3 * e,
+            "f": 4 * e, "two": 2}
+
+
+def _always(cfg: BlockConfig) -> bool:
+    return True
+
+
+def _dropout(cfg: BlockConfig) -> bool:
+    return cfg.dropout > 0
+
+
+def _bf16(cfg: BlockConfig) -> bool:   # flash attention's own state
+    return cfg.dtype == "bf16"
+
+
+def _fp32_dropout(cfg: BlockConfig) -> bool:   # attention written out, its dropout drawn by the fusion
+    return cfg.dtype == "fp32" and cfg.dropout > 0
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor of the block.
+
+    role: "param", "input", "output" (of the forward), "mask" (a dropout
+    keep-mask the forward draws: a checking output, saved for backward),
+    "saved" (for backward), "grad" (of the backward), "intermediate" (of the
+    backward, placed by the schedule where the collectives go).
+    dtype: "block" (the block's bf16 or fp32), "f32", "bool" or "u64".
+    seq_split: under sequence parallelism s is split over tp (the region tensor
+    parallelism replicates: the block's input and output, LayerNorms, residuals,
+    residual dropouts). stream: a mask's dropout stream (dropout.STREAMS)."""
+
+    name: str
+    role: str
+    dims: tuple[str, ...]
+    dtype: str = "block"
+    seq_split: bool = False
+    when: Callable[[BlockConfig], bool] = _always
+    stream: str | None = None
+
+    def shape(self, cfg: BlockConfig) -> tuple[int, ...]:
+        sizes = dim_sizes(cfg)
+        return tuple(sizes[dim] for dim in self.dims)
+
+    @property
+    def saved(self) -> bool:
+        """What the training forward returns for the backward (masks included)."""
+        return self.role in ("saved", "mask")
+
+
+def _params() -> list[Tensor]:
+    vector = {"ln_1": ("e",), "ln_2": ("e",)}
+    linears = {  # weight [out, in] and bias [out], as nn.Linear
+        "attn.c_attn": ("q3", "e"),   # column-parallel
+        "attn.c_proj": ("e", "hd"),   # row-parallel: its bias is not split
+        "mlp.c_fc": ("f", "e"),       # column-parallel
+        "mlp.c_proj": ("e", "f"),     # row-parallel
+    }
+    out = []
+    for module in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj"):
+        if module in vector:
+            out += [Tensor(f"{module}.weight", "param", vector[module]), Tensor(f"{module}.bias", "param", vector[module])]
+        else:
+            out += [Tensor(f"{module}.weight", "param", linears[module]),
+                    Tensor(f"{module}.bias", "param", linears[module][:1])]
+    return out
+
+
+PARAMS = _params()
+
+TENSORS: tuple[Tensor, ...] = (
+    Tensor("x", "input", ("b", "s", "e"), seq_split=True),
+    *PARAMS,
+    Tensor("out", "output", ("b", "s", "e"), seq_split=True),
+    # What the training forward saves for backward, in the order the backward takes them.
+    Tensor("ln_1.mean", "saved", ("b", "s"), "f32", seq_split=True),
+    Tensor("ln_1.rstd", "saved", ("b", "s"), "f32", seq_split=True),
+    Tensor("q", "saved", ("b", "h", "s", "d")),
+    Tensor("k", "saved", ("b", "h", "s", "d")),
+    Tensor("v", "saved", ("b", "h", "s", "d")),
+    Tensor("sdpa_out", "saved", ("b", "h", "s", "d"), when=_bf16),
+    Tensor("sdpa_lse", "saved", ("b", "h", "s"), "f32", when=_bf16),
+    Tensor("sdpa_seed", "saved", ("two",), "u64", when=_bf16),     # flash attention's philox state, per rank
+    Tensor("sdpa_offset", "saved", (), "u64", when=_bf16),
+    Tensor("x1", "saved", ("b", "s", "e"), "f32", seq_split=True),   # the residual after attention
+    Tensor("ln_2.mean", "saved", ("b", "s"), "f32", seq_split=True),
+    Tensor("ln_2.rstd", "saved", ("b", "s"), "f32", seq_split=True),
+    Tensor("mlp_h", "saved", ("b", "s", "f")),                      # before GELU
+    # The dropout masks the fusion draws (one byte an element, as eager PyTorch saves them).
+    Tensor("resid_attn_keep", "mask", ("b", "s", "e"), "bool", seq_split=True, when=_dropout, stream="resid_attn"),
+    Tensor("resid_mlp_keep", "mask", ("b", "s", "e"), "bool", seq_split=True, when=_dropout, stream="resid_mlp"),
+    Tensor("attn_keep", "mask", ("b", "h", "s", "s"), "bool", when=_fp32_dropout, stream="attn"),
+    # The backward: the upstream and input gradients are laid out like the output and the input.
+    Tensor("grad_out", "input", ("b", "s", "e"), seq_split=True),
+    Tensor("grad_x", "grad", ("b", "s", "e"), seq_split=True),
+    *(Tensor(f"grad.{p.name}", "grad", p.dims) for p in PARAMS),
+    # Backward intermediates the schedule places, where the collectives go: the
+    # gradients at the row-parallel linears' outputs and the recomputed LayerNorm
+    # outputs, read whole by the linears' gradients (under SP: all-gathered), and
+    # the gradients at the LayerNorms' outputs, the column-parallel linears'
+    # input gradients summed over tp (all-reduced; under SP reduce-scattered).
+    Tensor("g.mlp.c_proj.out", "intermediate", ("b", "s", "e")),
+    Tensor("g.attn.c_proj.out", "intermediate", ("b", "s", "e")),
+    Tensor("ln_2.out", "intermediate", ("b", "s", "e")),
+    Tensor("ln_1.out", "intermediate", ("b", "s", "e")),
+    Tensor("g.ln_2.out", "intermediate", ("b", "s", "e"), "f32", seq_split=True),
+    Tensor("g.ln_1.out", "intermediate", ("b", "s", "e"), "f32", seq_split=True),
+)
+
+BY_NAME: dict[str, Tensor] = {t.name: t for t in TENSORS}
+MASKS: dict[str, Tensor] = {t.stream: t for t in TENSORS if t.role == "mask"}   # stream -> mask
+
+
+def tensors(cfg: BlockConfig, role: str | None = None) -> list[Tensor]:
+    """The tensors that exist for cfg (of one role), in table order."""
+    return [t for t in TENSORS if t.when(cfg) and (role is None or t.role == role)]
+
+
+def saved(cfg: BlockConfig) -> list[Tensor]:
+    """What the training forward saves for the backward, in the backward's order."""
+    return [t for t in TENSORS if t.saved and t.when(cfg)]
