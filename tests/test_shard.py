@@ -4,12 +4,11 @@ import torch
 
 from tpfuser.config import Layout, preset
 from tpfuser.plan import placements
-
-PLACEMENTS = placements(Layout())   # tensor parallelism alone
 from tpfuser.reference import make_block, make_input
 from tpfuser.shard import (gather, local_slice, qkv_blocked, qkv_heads_interleaved, rank_params,
                            fusion_params, simulate_tp_forward)
 
+PLACEMENTS = placements(Layout())   # tensor parallelism alone
 MESHES = [Layout(1, 1), Layout(1, 2), Layout(2, 1), Layout(2, 2), Layout(1, 8), Layout(2, 4)]
 MESH_IDS = [f"{m.dp}x{m.tp}" for m in MESHES]
 

@@ -48,7 +48,7 @@ from nvfuser_direct import DataType, FusionDefinition, ParallelType  # noqa: E40
 
 from tpfuser.config import BlockConfig, Layout
 from tpfuser.dropout import hash_positions, keep_threshold
-from tpfuser.plan import DP, TP, placements, saved_specs
+from tpfuser.plan import DP, TP, axis_sizes, placements, saved_specs
 from tpfuser.reference import LN_EPS, PARAM_NAMES, param_shapes
 from tpfuser.tensors import MASKS
 
@@ -288,7 +288,7 @@ def make_mesh(layout: Layout, row: int | None = None):
 
 
 def _apply_placement(tv, placement, layout):
-    sizes = {DP: layout.dp, TP: layout.tp}
+    sizes = axis_sizes(layout)
     # Split the highest dimension first so that lower indices stay valid.
     for dim in sorted(placement, reverse=True):
         tv.outer_split(dim, sizes[placement[dim]])

@@ -46,6 +46,16 @@ def placement(tensor: Tensor, sp: bool = False) -> Placement:
 PARAM_PLACEMENTS: dict[str, Placement] = {t.name: placement(t) for t in TENSORS if t.role == "param"}
 
 
+def axis_sizes(layout: Layout) -> dict[str, int]:
+    """How many ranks each mesh axis has."""
+    return {DP: layout.dp, TP: layout.tp}
+
+
+def axis_coords(layout: Layout, rank: int) -> dict[str, int]:
+    """Where a rank sits on each mesh axis."""
+    return dict(zip((DP, TP), layout.rank_coords(rank)))
+
+
 def saved_specs(cfg: BlockConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """name -> (global shape, dtype) of what the training forward saves, in the
     order the backward takes them (tensors.saved). The fusion's dropout masks
@@ -75,7 +85,7 @@ def placements(layout: Layout) -> dict[str, Placement]:
 
 
 def local_shape(shape: tuple[int, ...], placement: Placement, layout: Layout) -> tuple[int, ...]:
-    sizes = {DP: layout.dp, TP: layout.tp}
+    sizes = axis_sizes(layout)
     out = list(shape)
     for dim, axis in placement.items():
         if out[dim] % sizes[axis]:

@@ -14,14 +14,14 @@ import math
 import torch
 
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.plan import DP, TP, Placement, PARAM_PLACEMENTS
+from tpfuser.plan import DP, TP, Placement, PARAM_PLACEMENTS, axis_coords, axis_sizes
 from tpfuser.reference import LN_EPS, PARAM_NAMES, gelu_tanh
 
 
 def local_slice(t: torch.Tensor, placement: Placement, layout: Layout, rank: int) -> torch.Tensor:
     """This rank's contiguous chunk of a global tensor."""
-    coords = dict(zip((DP, TP), layout.rank_coords(rank)))
-    sizes = {DP: layout.dp, TP: layout.tp}
+    coords = axis_coords(layout, rank)
+    sizes = axis_sizes(layout)
     for dim, axis in placement.items():
         n = sizes[axis]
         if t.shape[dim] % n:
@@ -32,8 +32,8 @@ def local_slice(t: torch.Tensor, placement: Placement, layout: Layout, rank: int
 
 def slice_starts(shape, placement: Placement, layout: Layout, rank: int) -> list[int]:
     """Where this rank's chunk (local_slice) begins in the global tensor, per dimension."""
-    coords = dict(zip((DP, TP), layout.rank_coords(rank)))
-    sizes = {DP: layout.dp, TP: layout.tp}
+    coords = axis_coords(layout, rank)
+    sizes = axis_sizes(layout)
     return [coords[placement[d]] * (n // sizes[placement[d]]) if d in placement else 0
             for d, n in enumerate(shape)]
 
