@@ -67,3 +67,10 @@ def test_a_rank_fails_on_error_masks_or_a_vacuous_wrong_stream_control():
     r = _report()
     r.collectives = {"forward": {"matches": False}}
     assert not r.ok
+
+
+def test_every_bound_says_why():
+    from tpfuser.check import BOUNDS, bound
+    assert {q for _, q in BOUNDS} == {"out", "grad", "wrong_stream"}
+    assert all(len(why) > 40 for _, why in BOUNDS.values())
+    assert bound("fp32", "out") < bound("bf16", "out") < bound("bf16", "grad")

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 
 MESHES = [pytest.param(False, id="single"), pytest.param(True, id="mesh")]   # -k "not mesh": the first only
 
-from tpfuser.check import GRAD_TOLERANCES, check_backward  # noqa: E402
+from tpfuser.check import bound, check_backward  # noqa: E402
 from tpfuser.config import preset  # noqa: E402
 from tpfuser.reference import PARAM_NAMES, make_block, make_input  # noqa: E402
 
@@ -27,8 +27,8 @@ def _full_precision(no_tf32):
 def test_gradients_match_reference_autograd(name, dtype, mesh, record):
     # dropout 0.1: the reference applies the fusion's masks
     errors = check_backward(preset(name, dtype=dtype), mesh=mesh)
-    record(rel_l2=errors, tolerance=GRAD_TOLERANCES[dtype])
-    bad = {k: v for k, v in errors.items() if v > GRAD_TOLERANCES[dtype]}
+    record(rel_l2=errors, tolerance=bound(dtype, "grad"))
+    bad = {k: v for k, v in errors.items() if v > bound(dtype, "grad")}
     assert not bad, (bad, errors)
 
 

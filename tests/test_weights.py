@@ -186,10 +186,10 @@ def test_a_good_dict_passes_every_check(block):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_fusion_matches_hf_gpt2_block(dtype, no_tf32):
     """The fusion on HF's weights against HF's block, on the branch (out - x),
-    to check.TOLERANCES; in bf16 HF runs in fp32 on the bf16-rounded weights
+    to check.bound(dtype, "out"); in bf16 HF runs in fp32 on the bf16-rounded weights
     and input, as check.py runs the reference."""
     os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
-    from tpfuser.check import TOLERANCES
+    from tpfuser.check import bound
     cfg = CFG.replace(dtype=dtype)
     hf = hf_block(cfg)
     if dtype == "bf16":
@@ -201,5 +201,5 @@ def test_fusion_matches_hf_gpt2_block(dtype, no_tf32):
     with torch.no_grad():
         expected = hf_forward(hf, x)
     out = block(block.shard_input(x))["out"].float().cpu()
-    assert rel_l2(out, expected) <= TOLERANCES[dtype]
-    assert rel_l2(out - x, expected - x) <= 2 * TOLERANCES[dtype]
+    assert rel_l2(out, expected) <= bound(dtype, "out")
+    assert rel_l2(out - x, expected - x) <= 2 * bound(dtype, "out")
