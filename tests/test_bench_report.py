@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tpfuser.bench import format_table, validate_report
+from tpfuser.benchreport import format_table, validate_report
 
 REPORTS = sorted(glob.glob("results/**/bench_*.json", recursive=True))
 
@@ -68,7 +68,6 @@ def test_plot_against_tp_when_the_reports_span_meshes(tmp_path, monkeypatch):
 
 
 def test_a_shared_gpu_report_says_its_timings_are_not_speed_figures():
-    from tpfuser.bench import format_table
     rep = json.load(open("results/2026-12-03-h200/run8/bench_nanogpt.json"))
     assert "not speed figures" not in format_table(rep)
     rep["gpus_shared"] = 1

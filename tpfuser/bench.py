@@ -25,6 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from tpfuser.benchreport import format_table, validate_report
 from tpfuser.commlog import error_line
 from tpfuser.config import Layout, preset
 from tpfuser.plan import backward_collectives, collectives, forward_flops, placements
@@ -323,61 +324,6 @@ def _train_fns(cfg, ref, x, impls, layout, rank, groups):
                         "saved_activation_mib": saved_activation_bytes(fwd, ps) / 2**20}
         fns[impl] = step
     return fns, memory, failed
-
-
-REPORT_KEYS = {"preset": str, "config": dict, "pass": str, "mesh": str, "gpu": str, "torch": str, "timing": str,
-               "matmul_tflops_measured": float, "matmul_gflop": float, "compute_floor_ms": float, "results": dict}
-RESULT_KEYS = {"median_ms": float, "min_ms": float, "max_ms": float, "runs": int, "tflops": float,
-               "fraction_of_matmul_rate": float}
-
-
-def validate_report(rep: dict) -> dict:
-    """Check a bench report's schema (the JSON the plot and the README read); return it."""
-    def check(obj, keys, where):
-        for key, kind in keys.items():
-            if key not in obj:
-                raise ValueError(f"{where}: missing key {key!r}")
-            if not isinstance(obj[key], kind) and not (kind is float and isinstance(obj[key], int)):
-                raise ValueError(f"{where}.{key}: expected {kind.__name__}, got {type(obj[key]).__name__}")
-    if "forward_matmul_gflop" in rep:   # the key's name in reports before 2026-12-02's last run
-        rep.setdefault("matmul_gflop", rep["forward_matmul_gflop"])
-    check(rep, REPORT_KEYS, "report")
-    if not rep["results"]:
-        raise ValueError("report.results: no implementation")
-    for name, row in rep["results"].items():
-        check(row, RESULT_KEYS, f"report.results[{name!r}]")
-        if not row["min_ms"] <= row["median_ms"] <= row["max_ms"]:
-            raise ValueError(f"report.results[{name!r}]: expected min <= median <= max")
-    return rep
-
-
-def format_table(rep: dict) -> str:
-    lines = [f"{rep['preset']} {rep['pass']} on {rep['gpu']} (mesh {rep['mesh']}): "
-             f"floor {rep['compute_floor_ms']:.3f} ms at {rep['matmul_tflops_measured']:.0f} TFLOP/s measured"
-             + (f"; copy {rep['copy_gbps_measured']:.0f} GB/s" if "copy_gbps_measured" in rep else "")
-             + (f"; communication floor {rep['comm_floor_ms']:.3f} ms at {rep['allreduce_busbw_gbps']:.0f} GB/s "
-                f"all-reduce bus bandwidth over tp" if "comm_floor_ms" in rep else ""),
-             f"{'impl':<16}{'median ms':>10}{'min':>8}{'max':>8}{'TFLOP/s':>9}{'of floor':>9}{'vs eager':>9}"]
-    if rep.get("gpus_shared"):
-        lines[0] += (f"\nthe {rep['mesh']} ranks shared {rep['gpus_shared']} GPU(s) (--share-gpu): "
-                     f"these timings are not speed figures")
-    if any("peak_mib_above_baseline" in r for r in rep["results"].values()):
-        lines[1] += f"{'peak MiB':>10}{'saved MiB':>10}"
-    for name, r in rep["results"].items():
-        line = (f"{name:<16}{r['median_ms']:>10.3f}{r['min_ms']:>8.3f}{r['max_ms']:>8.3f}{r['tflops']:>9.0f}"
-                f"{r['fraction_of_matmul_rate']:>9.2f}{r.get('ratio_to_eager', float('nan')):>9.2f}")
-        if "peak_mib_above_baseline" in r:
-            line += f"{r['peak_mib_above_baseline']:>10.1f}{r['saved_activation_mib']:>10.1f}"
-        lines.append(line)
-    for name, why in rep.get("failed", {}).items():
-        lines.append(f"{name:<16}failed: {why[:160]}")
-    for name, r in rep["results"].items():
-        if "profile" in r:
-            p = r["profile"]
-            lines.append(f"{name:<16}{p['kernels_per_call']:.0f} kernels a call, GPU busy {p['kernel_ms_per_call']:.3f} ms, "
-                         f"idle {p['idle_ms_per_call']:.3f} ms; most: " +
-                         ", ".join(f"{k[:40]} {ms:.3f}" for k, ms in p["top_kernels_ms_per_call"][:3]))
-    return "\n".join(lines)
 
 
 def main(argv=None) -> int:

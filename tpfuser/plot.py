@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     if len(argv) < 2:
         print("usage: python -m tpfuser.plot OUT.png REPORT.json [REPORT.json ...]", file=sys.stderr)
         return 2
-    from tpfuser.bench import validate_report
+    from tpfuser.benchreport import validate_report
     reports = [validate_report(json.load(open(p))) for p in argv[1:]]
     several_meshes = len({r["mesh"] for r in reports}) > 1
     (plot_scaling if several_meshes else plot_reports)(reports, argv[0])
