@@ -7,7 +7,8 @@ from tpfuser.config import Layout, preset
 from tpfuser.dropout import keep_threshold
 from tpfuser.plan import DP, PARAM_PLACEMENTS, placements
 from tpfuser.reference import PARAM_NAMES, make_block, make_input
-from tpfuser.shard import fusion_params, local_slice, simulate_tp_backward
+from tpfuser.shard import fusion_params, local_slice
+from tests.simulation import simulate_backward, simulate_forward
 
 from tests.test_fusion import MESH_IDS, MESHES  # noqa: E402  (TP and SP meshes)
 
@@ -43,8 +44,8 @@ def rel(a, b):
 def test_tp_backward_simulation_equals_autograd_float64(tp):
     cfg, block, x, grad_out = float64_case()
     gx_ref, gp_ref = reference_grads(cfg, block, x, grad_out)
-    gx, rank_grads = simulate_tp_backward(x, grad_out, block.state_dict(), cfg, tp)
-    assert rel(gx, gx_ref) < 1e-10
+    gx, rank_grads = simulate_backward(x, grad_out, block.state_dict(), cfg, Layout(1, tp))
+    assert all(rel(g, gx_ref) < 1e-10 for g in gx)
     assert_rank_grads_are_slices(rank_grads, gp_ref, cfg, Layout(1, tp))
 
 
@@ -55,8 +56,8 @@ def test_backward_simulation_is_sensitive():
     state = dict(block.state_dict())
     state["mlp.c_fc.weight"] = state["mlp.c_fc.weight"].clone()
     state["mlp.c_fc.weight"][128:] = 0      # rank 1 of 2 contributes nothing through fc
-    gx, _ = simulate_tp_backward(x, grad_out, state, cfg, 2)
-    assert rel(gx, gx_ref) > 1e-3
+    gx, _ = simulate_backward(x, grad_out, state, cfg, Layout(1, 2))
+    assert rel(gx[0], gx_ref) > 1e-3
 
 
 @pytest.mark.parametrize("layout", MESHES, ids=MESH_IDS)
@@ -105,27 +106,21 @@ def test_backward_runs_on_the_ranks_tp_row():
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_sp_simulation_equals_reference_float64(tp):
-    from tpfuser.shard import simulate_sp_backward, simulate_sp_forward
     cfg, block, x, grad_out = float64_case()
-    out = torch.cat(simulate_sp_forward(x, block.state_dict(), cfg, tp), dim=1)
+    out = torch.cat(simulate_forward(x, block.state_dict(), cfg, Layout(1, tp, sp=True)), dim=1)
     assert rel(out, block(x).detach()) < 1e-10
     gx_ref, gp_ref = reference_grads(cfg, block, x, grad_out)
-    gx, rank_grads = simulate_sp_backward(x, grad_out, block.state_dict(), cfg, tp)
+    gx, rank_grads = simulate_backward(x, grad_out, block.state_dict(), cfg, Layout(1, tp, sp=True))
     assert rel(torch.cat(gx, dim=1), gx_ref) < 1e-10
     assert_rank_grads_are_slices(rank_grads, gp_ref, cfg, Layout(1, tp, sp=True))
 
 
 def test_sp_simulation_needs_the_tp_all_reduce_of_partial_grads():
     """Without summing the LayerNorm gradients over the sequence slices, they are wrong."""
-    from tpfuser import shard
     cfg, block, x, grad_out = float64_case()
     _, gp_ref = reference_grads(cfg, block, x, grad_out)
-    saved = shard.SP_PARTIAL_GRADS
-    try:
-        shard.SP_PARTIAL_GRADS = ()
-        _, rank_grads = shard.simulate_sp_backward(x, grad_out, block.state_dict(), cfg, 2)
-    finally:
-        shard.SP_PARTIAL_GRADS = saved
+    _, rank_grads = simulate_backward(x, grad_out, block.state_dict(), cfg, Layout(1, 2, sp=True),
+                                      sum_region_grads=False)
     assert rel(rank_grads[0]["ln_1.weight"], gp_ref["ln_1.weight"]) > 1e-3
 
 

@@ -5,8 +5,8 @@ import torch
 from tpfuser.config import Layout, preset
 from tpfuser.plan import placements
 from tpfuser.reference import make_block, make_input
-from tpfuser.shard import (gather, local_slice, qkv_blocked, qkv_heads_interleaved, rank_params,
-                           fusion_params, simulate_tp_forward)
+from tpfuser.shard import gather, local_slice, qkv_blocked, qkv_heads_interleaved, rank_params, fusion_params
+from tests.simulation import simulate_forward
 
 PLACEMENTS = placements(Layout())   # tensor parallelism alone
 MESHES = [Layout(1, 1), Layout(1, 2), Layout(2, 1), Layout(2, 2), Layout(1, 8), Layout(2, 4)]
@@ -68,8 +68,9 @@ def test_tp_simulation_equals_reference_float64(tp):
     cfg = preset("tiny")
     block = make_block(cfg, dtype=torch.float64)
     x = make_input(cfg, dtype=torch.float64)
-    simulated = simulate_tp_forward(x, block.state_dict(), cfg, tp)
-    err = ((simulated - block(x)).norm() / block(x).norm()).item()
+    ranks = simulate_forward(x, block.state_dict(), cfg, Layout(1, tp))
+    assert all(torch.equal(r, ranks[0]) for r in ranks)   # the replicated output, the same on every rank
+    err = ((ranks[0] - block(x)).norm() / block(x).norm()).item()
     assert err < 1e-10
 
 
@@ -81,5 +82,5 @@ def test_tp_simulation_detects_a_wrong_slicing():
     state = dict(block.state_dict())
     for name in ("attn.c_attn.weight", "attn.c_attn.bias"):   # undo the reorder fusion_params applies
         state[name] = qkv_blocked(state[name], cfg.n_head)
-    err = ((simulate_tp_forward(x, state, cfg, 2) - block(x)).norm() / block(x).norm()).item()
+    err = ((simulate_forward(x, state, cfg, Layout(1, 2))[0] - block(x)).norm() / block(x).norm()).item()
     assert err > 1e-3
