@@ -80,27 +80,29 @@ class ForwardFusion:
     has_rng: bool = False   # takes the scalars rng_input_names(cfg) after the tensors
 
 
-def _bcast_rows(fd, t, b, s, e):
+# The LayerNorm helpers work on rows of hidden vectors: `bse` is their shape [b, s, e].
+
+def _bcast_rows(fd, t, bse):
     """[b, s] -> [b, s, e]"""
-    return fd.ops.broadcast_in_dim(t, shape=[b, s, e], broadcast_dims=[0, 1])
+    return fd.ops.broadcast_in_dim(t, shape=bse, broadcast_dims=[0, 1])
 
 
-def _normalize(fd, x, mean, rstd, b, s, e):
+def _normalize(fd, x, mean, rstd, bse):
     """(x - mean) * rstd; x float [b, s, e], mean and rstd [b, s]."""
-    return fd.ops.mul(fd.ops.sub(x, _bcast_rows(fd, mean, b, s, e)), _bcast_rows(fd, rstd, b, s, e))
+    return fd.ops.mul(fd.ops.sub(x, _bcast_rows(fd, mean, bse)), _bcast_rows(fd, rstd, bse))
 
 
-def _affine(fd, xhat, weight, bias, b, s, e):
-    weight = fd.ops.broadcast_in_dim(fd.ops.cast(weight, DataType.Float), shape=[b, s, e], broadcast_dims=[2])
-    bias = fd.ops.broadcast_in_dim(fd.ops.cast(bias, DataType.Float), shape=[b, s, e], broadcast_dims=[2])
+def _affine(fd, xhat, weight, bias, bse):
+    weight = fd.ops.broadcast_in_dim(fd.ops.cast(weight, DataType.Float), shape=bse, broadcast_dims=[2])
+    bias = fd.ops.broadcast_in_dim(fd.ops.cast(bias, DataType.Float), shape=bse, broadcast_dims=[2])
     return fd.ops.add(fd.ops.mul(xhat, weight), bias)
 
 
-def _layer_norm(fd, x, weight, bias, b, s, e):
+def _layer_norm(fd, x, weight, bias, bse):
     """x: float [b, s, e]; weight, bias: [e] of any float dtype. Returns (y, mean, rstd), stats [b, s]."""
     var, mean = fd.ops.var_mean(x, dims=[2], correction=0, keepdim=False)
     rstd = fd.ops.rsqrt(fd.ops.add(var, fd.define_scalar(LN_EPS, dtype=DataType.Double)))
-    return _affine(fd, _normalize(fd, x, mean, rstd, b, s, e), weight, bias, b, s, e), mean, rstd
+    return _affine(fd, _normalize(fd, x, mean, rstd, bse), weight, bias, bse), mean, rstd
 
 
 def _gelu_tanh(fd, x):
@@ -232,7 +234,7 @@ def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, 
     masks, saved = {}, {}
 
     x = fd.ops.cast(w["x"], DataType.Float)
-    ln_1, saved["ln_1.mean"], saved["ln_1.rstd"] = _layer_norm(fd, x, w["ln_1.weight"], w["ln_1.bias"], b, s, e)
+    ln_1, saved["ln_1.mean"], saved["ln_1.rstd"] = _layer_norm(fd, x, w["ln_1.weight"], w["ln_1.bias"], [b, s, e])
     ln_1 = fd.ops.cast(ln_1, dtype)
     qkv = fd.ops.linear(ln_1, w["attn.c_attn.weight"], w["attn.c_attn.bias"])  # (b, s, 3e), heads outermost
     q, k, v = saved["q"], saved["k"], saved["v"] = _split_heads(fd, qkv, cfg)
@@ -255,7 +257,7 @@ def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, 
         attn_out = _dropout(fd, attn_out, masks["resid_attn_keep"], p)
     x = saved["x1"] = fd.ops.add(x, attn_out)
 
-    ln_2, saved["ln_2.mean"], saved["ln_2.rstd"] = _layer_norm(fd, x, w["ln_2.weight"], w["ln_2.bias"], b, s, e)
+    ln_2, saved["ln_2.mean"], saved["ln_2.rstd"] = _layer_norm(fd, x, w["ln_2.weight"], w["ln_2.bias"], [b, s, e])
     ln_2 = fd.ops.cast(ln_2, dtype)
     mlp_hidden = saved["mlp_h"] = fd.ops.linear(ln_2, w["mlp.c_fc.weight"], w["mlp.c_fc.bias"])  # (b, s, 4e)
     mlp_hidden = fd.ops.cast(_gelu_tanh(fd, fd.ops.cast(mlp_hidden, DataType.Float)), dtype)
@@ -388,12 +390,12 @@ def _sum_rows(fd, t):
                       dtype=DataType.Null)
 
 
-def _weight_grad(fd, g, a, b, s):
+def _weight_grad(fd, g, a, rows):
     """dL/dW of y = a W^T: g^T a over all rows; g [b, s, n_out], a [b, s, n_in] -> [n_out, n_in].
     Under sequence parallelism g and a are whole (all-gathered) here: the merge of
     b and s never merges a device-split axis (plan.BACKWARD_INTERMEDIATES)."""
-    g2 = fd.ops.reshape(g, new_shape=[b * s, g.shape()[2]])   # (bs, n_out)
-    a2 = fd.ops.reshape(a, new_shape=[b * s, a.shape()[2]])   # (bs, n_in)
+    g2 = fd.ops.reshape(g, new_shape=[rows, g.shape()[2]])   # (bs, n_out)
+    a2 = fd.ops.reshape(a, new_shape=[rows, a.shape()[2]])   # (bs, n_in)
     return fd.ops.matmul(fd.ops.permute(g2, dims=[1, 0]), a2)
 
 
@@ -404,38 +406,35 @@ def _input_grad(fd, g, w):
     return fd.ops.matmul(g, w)
 
 
-def _layer_norm_backward(fd, g, xhat, rstd, weight, b, s, e):
+def _layer_norm_backward(fd, g, xhat, rstd, weight, bse):
     """g: float [b, s, e], the gradient of the LayerNorm's output; xhat its normalized
     input. Returns (grad of the input, of the weight, of the bias), float."""
     grad_weight, grad_bias = _sum_rows(fd, fd.ops.mul(g, xhat)), _sum_rows(fd, g)
-    gxhat = fd.ops.mul(g, fd.ops.broadcast_in_dim(fd.ops.cast(weight, DataType.Float), shape=[b, s, e],
+    gxhat = fd.ops.mul(g, fd.ops.broadcast_in_dim(fd.ops.cast(weight, DataType.Float), shape=bse,
                                                    broadcast_dims=[2]))
+    e = bse[2]
     mean_g = fd.ops.mul(fd.ops.sum(gxhat, dims=[2], keepdim=False, dtype=DataType.Null), 1.0 / e)
     mean_gx = fd.ops.mul(fd.ops.sum(fd.ops.mul(gxhat, xhat), dims=[2], keepdim=False, dtype=DataType.Null), 1.0 / e)
-    centered = fd.ops.sub(fd.ops.sub(gxhat, _bcast_rows(fd, mean_g, b, s, e)),
-                          fd.ops.mul(xhat, _bcast_rows(fd, mean_gx, b, s, e)))
-    return fd.ops.mul(centered, _bcast_rows(fd, rstd, b, s, e)), grad_weight, grad_bias
+    centered = fd.ops.sub(fd.ops.sub(gxhat, _bcast_rows(fd, mean_g, bse)),
+                          fd.ops.mul(xhat, _bcast_rows(fd, mean_gx, bse)))
+    return fd.ops.mul(centered, _bcast_rows(fd, rstd, bse)), grad_weight, grad_bias
 
 
-def _ln_linear_backward(fd, pairs, x, ln, w, grads, cfg, intermediates):
-    """Backward of column-parallel linears that share one LayerNorm input:
-    pairs are (output gradient in the block dtype, weight, name of the weight's
-    gradient); fills those gradients and the LayerNorm's, and returns the
-    gradient of x (float). x: float [b, s, e]; the LayerNorm is recomputed from
-    its saved stats. The linears' input gradient is a partial sum over tp: nvFuser all-reduces it."""
-    b, s, e = cfg.batch, cfg.seq, cfg.n_embd
-    xhat = _normalize(fd, x, w[f"{ln}.mean"], w[f"{ln}.rstd"], b, s, e)
-    ln_out = intermediates[f"{ln}.out"] = fd.ops.cast(_affine(fd, xhat, w[f"{ln}.weight"], w[f"{ln}.bias"], b, s, e),
-                                                      _NV_DTYPE[cfg.torch_dtype])
-    g_ln = None
-    for g, weight, name in pairs:
-        grads[name] = _weight_grad(fd, g, ln_out, b, s)
-        part = fd.ops.cast(_input_grad(fd, g, weight), DataType.Float)
-        g_ln = part if g_ln is None else fd.ops.add(g_ln, part)
-    intermediates[f"g.{ln}.out"] = g_ln
+def _ln_linear_backward(fd, g, linear, x, ln, w, cfg):
+    """Backward of a column-parallel linear on a LayerNorm's output: g, the
+    gradient of the linear's output (block dtype); x, the LayerNorm's input
+    (float [b, s, e]); the LayerNorm is recomputed from its saved statistics.
+    Returns (gradient of x, float; the linear's weight gradient and the
+    LayerNorm's, by name; the intermediates the schedule places). The linear's
+    input gradient is a partial sum over tp: nvFuser all-reduces it."""
+    bse = [cfg.batch, cfg.seq, cfg.n_embd]
+    xhat = _normalize(fd, x, w[f"{ln}.mean"], w[f"{ln}.rstd"], bse)
+    ln_out = fd.ops.cast(_affine(fd, xhat, w[f"{ln}.weight"], w[f"{ln}.bias"], bse), _NV_DTYPE[cfg.torch_dtype])
+    grads = {f"{linear}.weight": _weight_grad(fd, g, ln_out, bse[0] * bse[1])}
+    g_ln = fd.ops.cast(_input_grad(fd, g, w[f"{linear}.weight"]), DataType.Float)
     g_x, grads[f"{ln}.weight"], grads[f"{ln}.bias"] = _layer_norm_backward(
-        fd, g_ln, xhat, w[f"{ln}.rstd"], w[f"{ln}.weight"], b, s, e)
-    return g_x
+        fd, g_ln, xhat, w[f"{ln}.rstd"], w[f"{ln}.weight"], bse)
+    return g_x, grads, {f"{ln}.out": ln_out, f"g.{ln}.out": g_ln}
 
 
 def _causal_attention_backward(fd, gy, q, k, v, probs, keep, dropped, cfg, p):
@@ -486,12 +485,14 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None) -> Bac
     grads["mlp.c_proj.bias"] = _sum_rows(fd, g_mlp)
     h_pre = fd.ops.cast(w["mlp_h"], DataType.Float)                        # (b, s, 4e)
     g_mlp = bf.intermediates["g.mlp.c_proj.out"] = fd.ops.cast(g_mlp, dtype)
-    grads["mlp.c_proj.weight"] = _weight_grad(fd, g_mlp, fd.ops.cast(_gelu_tanh(fd, h_pre), dtype), b, s)
+    grads["mlp.c_proj.weight"] = _weight_grad(fd, g_mlp, fd.ops.cast(_gelu_tanh(fd, h_pre), dtype), b * s)
     g_h = fd.ops.mul(fd.ops.cast(_input_grad(fd, g_mlp, w["mlp.c_proj.weight"]), DataType.Float),
                      _gelu_tanh_grad(fd, h_pre))                             # (b, s, 4e)
     grads["mlp.c_fc.bias"] = _sum_rows(fd, g_h)
-    g_x1 = fd.ops.add(g, _ln_linear_backward(fd, [(fd.ops.cast(g_h, dtype), w["mlp.c_fc.weight"], "mlp.c_fc.weight")],
-                                             w["x1"], "ln_2", w, grads, cfg, bf.intermediates))
+    g_ln_2, more, placed = _ln_linear_backward(fd, fd.ops.cast(g_h, dtype), "mlp.c_fc", w["x1"], "ln_2", w, cfg)
+    grads |= more
+    bf.intermediates |= placed
+    g_x1 = fd.ops.add(g, g_ln_2)
 
     # Attention branch: x1 = x + dropout(attn(ln_1(x)) W_proj^T + b_proj)
     g_attn = _dropout(fd, g_x1, w["resid_attn_keep"], p) if p > 0 else g_x1
@@ -505,7 +506,7 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None) -> Bac
         probs, dropped = _dropped_probs(fd, q, k, cfg, p, keep)
         y = fd.ops.matmul(dropped, v)
     y_bse = fd.ops.reshape(fd.ops.permute(y, dims=[0, 2, 1, 3]), new_shape=[b, s, e])
-    grads["attn.c_proj.weight"] = _weight_grad(fd, g_attn, y_bse, b, s)
+    grads["attn.c_proj.weight"] = _weight_grad(fd, g_attn, y_bse, b * s)
     g_y = _input_grad(fd, g_attn, w["attn.c_proj.weight"])          # (b, s, e), heads over tp
     g_y = fd.ops.permute(fd.ops.reshape(g_y, new_shape=[b, s, h, d]), dims=[0, 2, 1, 3])  # (b, h, s, d)
     if cfg.torch_dtype == torch.bfloat16:
@@ -519,8 +520,10 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None) -> Bac
     g_qkv = fd.ops.cat([fd.ops.permute(t, dims=[0, 2, 1, 3]) for t in (g_q, g_k, g_v)], dim=3, manual_padding=0)
     g_qkv = fd.ops.reshape(g_qkv, new_shape=[b, s, 3 * e])                 # (b, s, 3e)
     grads["attn.c_attn.bias"] = _sum_rows(fd, fd.ops.cast(g_qkv, DataType.Float))
-    pairs = [(fd.ops.cast(g_qkv, dtype), w["attn.c_attn.weight"], "attn.c_attn.weight")]
-    g_x = _ln_linear_backward(fd, pairs, fd.ops.cast(w["x"], DataType.Float), "ln_1", w, grads, cfg, bf.intermediates)
+    g_x, more, placed = _ln_linear_backward(fd, fd.ops.cast(g_qkv, dtype), "attn.c_attn",
+                                            fd.ops.cast(w["x"], DataType.Float), "ln_1", w, cfg)
+    grads |= more
+    bf.intermediates |= placed
 
     grads = {"grad_x": fd.ops.add(g_x1, g_x)} | {f"grad.{name}": t for name, t in grads.items()}
     results = {name: grads[name] for name in backward_output_names()}
