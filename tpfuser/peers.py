@@ -15,10 +15,15 @@ import copy
 import torch
 import torch.nn.functional as F
 
+from tpfuser.plan import PARAM_PLACEMENTS
 from tpfuser.reference import Block, gelu_tanh
 from tpfuser.shard import qkv_blocked, qkv_heads_interleaved
 
-TP_PLAN_NAMES = {"attn.c_attn": "colwise", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}
+# DTensor's names for the plan's linears: a weight split on its output rows is
+# column-parallel, one split on its input columns row-parallel (plan.PARAM_PLACEMENTS).
+TP_PLAN_NAMES = {name.removesuffix(".weight"): {0: "colwise", 1: "rowwise"}[dim]
+                 for name, placement in PARAM_PLACEMENTS.items() if name.endswith(".weight")
+                 for dim in placement}
 
 
 def dtensor_block(ref: Block, tp_mesh) -> Block:

@@ -282,15 +282,16 @@ class _BlockFunction(torch.autograd.Function):
     def forward(ctx, block: ShardedBlock, rng_seed: int, rng_offset: int, x, *params):
         named, saved = block.forward_train(x, rng_seed, rng_offset, params)
         ctx.block = block
+        ctx.names = ["x", *PARAM_NAMES, *saved_names(block.cfg)]   # what save_for_backward holds, in order
         ctx.save_for_backward(x, *params, *saved)
         return named["out"]
 
     @staticmethod
     def backward(ctx, grad_out):
-        tensors = ctx.saved_tensors
-        n = len(PARAM_NAMES)
-        x, params, saved = tensors[0], tensors[1:1 + n], list(tensors[1 + n:])
-        grad_x, grads = ctx.block.backward(grad_out, x, saved, params=params)
+        held = dict(zip(ctx.names, ctx.saved_tensors))
+        params = [held[name] for name in PARAM_NAMES]
+        saved = [held[name] for name in saved_names(ctx.block.cfg)]
+        grad_x, grads = ctx.block.backward(grad_out, held["x"], saved, params=params)
         return (None, None, None, grad_x, *grads)
 
 
