@@ -116,43 +116,51 @@ class Collective:
         return factor * (self.team - 1) * self.bytes_per_rank // self.team
 
 
+# The block's linears in order, by the dimension tensor parallelism splits
+# their weight on: its output rows (column-parallel) or its input columns
+# (row-parallel). The collectives follow from them.
+LINEARS: list[tuple[str, str]] = [(name.removesuffix(".weight"), "column" if dim == 0 else "row")
+                                  for name, placement in PARAM_PLACEMENTS.items() if name.endswith(".weight")
+                                  for dim in placement]
+
+
 def collectives(cfg: BlockConfig, layout: Layout) -> list[Collective]:
     """The forward's collectives over tp, in order; none over dp. Tensor
     parallel: an all-reduce after each row-parallel linear. Sequence parallel:
     an all-gather of the sequence before each column-parallel linear and a
     reduce-scatter after each row-parallel one (the same bytes on the wire).
     With tp == 1 the teams have one rank and move nothing."""
-    b, s, e = cfg.batch // layout.dp, cfg.seq, cfg.n_embd
-    nbytes, tp = cfg.torch_dtype.itemsize, layout.tp
-    if not layout.sp:
-        return [Collective("allreduce", TP, "after attn.c_proj", (b, s, e), nbytes, tp),
-                Collective("allreduce", TP, "after mlp.c_proj", (b, s, e), nbytes, tp)]
-    return [Collective("allgather", TP, "before attn.c_attn", (b, s, e), nbytes, tp),
-            Collective("reducescatter", TP, "after attn.c_proj", (b, s, e), nbytes, tp),
-            Collective("allgather", TP, "before mlp.c_fc", (b, s, e), nbytes, tp),
-            Collective("reducescatter", TP, "after mlp.c_proj", (b, s, e), nbytes, tp)]
+    whole = ((cfg.batch // layout.dp, cfg.seq, cfg.n_embd), cfg.torch_dtype.itemsize, layout.tp)
+    out = []
+    for linear, kind in LINEARS:
+        if kind == "column" and layout.sp:
+            out.append(Collective("allgather", TP, f"before {linear}", *whole))
+        elif kind == "row":
+            out.append(Collective("reducescatter" if layout.sp else "allreduce", TP, f"after {linear}", *whole))
+    return out
 
 
 def backward_collectives(cfg: BlockConfig, layout: Layout) -> list[Collective]:
-    """The backward's collectives over tp, in Megatron's order (the MLP's first).
-    Tensor parallel: an all-reduce of the input gradient's partial sums after
-    each column-parallel linear (the row-parallel ones need none). Sequence
-    parallel: an all-gather of the upstream gradient before each row-parallel
-    linear, an all-gather of the LayerNorm output (recomputed on the rank's part
-    of the sequence) for each column-parallel weight gradient, and a
-    reduce-scatter of each column-parallel input gradient. Then, when dp > 1,
-    the one all-reduce over dp of all this rank's parameter gradients, in fp32,
-    after the fusion (through torch.distributed: runtime.ShardedBlock.backward)."""
-    b, s, e = cfg.batch // layout.dp, cfg.seq, cfg.n_embd
-    nbytes, tp = cfg.torch_dtype.itemsize, layout.tp
+    """The backward's collectives over tp, in Megatron's order (the MLP's first):
+    for each row-parallel linear and the column-parallel one before it, walked
+    backwards. Tensor parallel: an all-reduce of the input gradient's partial
+    sums after each column-parallel linear (the row-parallel ones need none).
+    Sequence parallel: an all-gather of the upstream gradient before each
+    row-parallel linear, an all-gather of the LayerNorm output (recomputed on
+    the rank's part of the sequence) for each column-parallel weight gradient,
+    and a reduce-scatter of each column-parallel input gradient. Then, when
+    dp > 1, the one all-reduce over dp of all this rank's parameter gradients,
+    in fp32, after the fusion (through torch.distributed: runtime.ShardedBlock.backward)."""
+    whole = ((cfg.batch // layout.dp, cfg.seq, cfg.n_embd), cfg.torch_dtype.itemsize, layout.tp)
+    pairs = [(row, column) for (column, c), (row, r) in zip(LINEARS, LINEARS[1:]) if (c, r) == ("column", "row")]
     out = []
-    for row, column in (("mlp.c_proj", "mlp.c_fc"), ("attn.c_proj", "attn.c_attn")):
+    for row, column in reversed(pairs):
         if layout.sp:
-            out += [Collective("allgather", TP, f"before {row} backward", (b, s, e), nbytes, tp),
-                    Collective("allgather", TP, f"before {column} weight gradient", (b, s, e), nbytes, tp),
-                    Collective("reducescatter", TP, f"after {column} input gradient", (b, s, e), nbytes, tp)]
+            out += [Collective("allgather", TP, f"before {row} backward", *whole),
+                    Collective("allgather", TP, f"before {column} weight gradient", *whole),
+                    Collective("reducescatter", TP, f"after {column} input gradient", *whole)]
         else:
-            out.append(Collective("allreduce", TP, f"after {column} input gradient", (b, s, e), nbytes, tp))
+            out.append(Collective("allreduce", TP, f"after {column} input gradient", *whole))
     if layout.dp > 1:
         n = sum(math.prod(local_shape(shape, PARAM_PLACEMENTS[name], layout)) for name, shape in param_shapes(cfg).items())
         out.append(Collective("allreduce", DP, "after the backward fusion (every parameter gradient, by the runtime)", (n,), 4, layout.dp))
