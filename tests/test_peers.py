@@ -14,14 +14,15 @@ from tpfuser.reference import make_block, make_input
 def _rank(rank, world, init_file, results):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from tpfuser.peers import dtensor_block, dtensor_forward, full_grads
+    from tpfuser.peers import dtensor_block, full_grads
+    from tpfuser.reference import sdpa_forward
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         cfg = preset("tiny", dtype="fp32", dropout=0.0)
         ref = make_block(cfg).double()
         x, g = make_input(cfg).double(), make_input(cfg, seed=2).double()
         block = dtensor_block(ref, init_device_mesh("cpu", (world,)))
-        out = dtensor_forward(block, x, 0.0)
+        out = sdpa_forward(block, x, 0.0, heads_interleaved=True)
         out.backward(g)
         expected = ref(x)
         expected.backward(g)

@@ -64,3 +64,20 @@ def test_reference_matches_explicit_float64(dropout):
     torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
     if dropout:  # the masks matter: without them the result differs
         assert not torch.allclose(block(x), expected, rtol=1e-3, atol=1e-3)
+
+
+def test_sdpa_forward_is_the_reference_block():
+    """The user's training forward (SDPA, F.dropout) the eager, compile and DTensor
+    peers run equals the oracle's forward at dropout 0, in both c_attn row orders."""
+    from tpfuser.reference import sdpa_forward
+    from tpfuser.shard import qkv_heads_interleaved
+    cfg = preset("tiny", dropout=0.0)
+    block = make_block(cfg, dtype=torch.float64)
+    x = make_input(cfg, dtype=torch.float64)
+    expected = block(x)
+    assert torch.allclose(sdpa_forward(block, x, 0.0), expected, rtol=0, atol=1e-12)
+    with torch.no_grad():
+        for p in (block.attn.c_attn.weight, block.attn.c_attn.bias):
+            p.copy_(qkv_heads_interleaved(p, cfg.n_head))
+    assert torch.allclose(sdpa_forward(block, x, 0.0, heads_interleaved=True), expected, rtol=0, atol=1e-12)
+    assert not torch.allclose(sdpa_forward(block, x, 0.0), expected, atol=1e-3)   # the order matters

@@ -29,7 +29,7 @@ from tpfuser.benchreport import format_table, validate_report
 from tpfuser.commlog import error_line
 from tpfuser.config import Layout, preset
 from tpfuser.plan import backward_collectives, collectives, forward_flops, placements
-from tpfuser.reference import Block, gelu_tanh, make_block, make_input
+from tpfuser.reference import make_block, make_input, sdpa_forward
 from tpfuser.shard import local_slice
 
 IMPLS = ("nvfuser", "nvfuser-nomesh", "eager", "compile", "dtensor")
@@ -55,17 +55,6 @@ def check_impls(impls, layout: Layout) -> None:
 # Each timing sample is this many back-to-back calls (throughput, as a
 # training loop sees it); samples of the implementations are interleaved.
 CALLS_PER_SAMPLE = 10
-
-
-def eager_forward(block: Block, x: torch.Tensor, p: float) -> torch.Tensor:
-    """nanoGPT's training forward (dropout on), as a user would run it."""
-    b, s, e = x.shape
-    h = block.cfg.n_head
-    q, k, v = block.attn.c_attn(block.ln_1(x)).split(e, dim=2)
-    q, k, v = (t.view(b, s, h, e // h).transpose(1, 2) for t in (q, k, v))  # (b, h, s, d)
-    y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True).transpose(1, 2).reshape(b, s, e)
-    x = x + F.dropout(block.attn.c_proj(y), p)
-    return x + F.dropout(block.mlp.c_proj(gelu_tanh(block.mlp.c_fc(block.ln_2(x)))), p)
 
 
 def _time(fn, start, end, calls: int = 1) -> float:
@@ -267,14 +256,14 @@ def _forward_fns(cfg, ref, x, impls, layout, rank, groups):
             steps = iter(range(1 << 30))
             fns[impl] = lambda nv=nv, steps=steps: nv(x, 1234, next(steps) % 100_000)["out"]
     if "eager" in impls:
-        fns["eager"] = lambda: eager_forward(ref, x, cfg.dropout)
+        fns["eager"] = lambda: sdpa_forward(ref, x, cfg.dropout)
     if "compile" in impls:
-        compiled = torch.compile(eager_forward)
+        compiled = torch.compile(sdpa_forward)
         fns["compile"] = lambda: compiled(ref, x, cfg.dropout)
     if "dtensor" in impls:
-        from tpfuser.peers import dtensor_block, dtensor_forward
+        from tpfuser.peers import dtensor_block
         block = dtensor_block(ref, groups.tp_mesh)
-        fns["dtensor"] = lambda: dtensor_forward(block, x, cfg.dropout)
+        fns["dtensor"] = lambda: sdpa_forward(block, x, cfg.dropout, heads_interleaved=True)
     return fns
 
 
@@ -292,14 +281,14 @@ def _train_fns(cfg, ref, x, impls, layout, rank, groups):
             forwards[impl] = (lambda m=model: m(x), list(model.parameters()), False)   # its backward sums over dp
     params = list(ref.parameters())
     if "eager" in impls:
-        forwards["eager"] = (lambda: eager_forward(ref, x, cfg.dropout), params, True)
+        forwards["eager"] = (lambda: sdpa_forward(ref, x, cfg.dropout), params, True)
     if "compile" in impls:
-        compiled = torch.compile(eager_forward)
+        compiled = torch.compile(sdpa_forward)
         forwards["compile"] = (lambda: compiled(ref, x, cfg.dropout), params, True)
     if "dtensor" in impls:
-        from tpfuser.peers import dtensor_block, dtensor_forward
+        from tpfuser.peers import dtensor_block
         block = dtensor_block(ref, groups.tp_mesh)
-        forwards["dtensor"] = (lambda: dtensor_forward(block, x, cfg.dropout), list(block.parameters()), True)
+        forwards["dtensor"] = (lambda: sdpa_forward(block, x, cfg.dropout, heads_interleaved=True), list(block.parameters()), True)
     for impl, (fwd, ps, sum_dp) in forwards.items():
         def step(fwd=fwd, ps=ps, sum_dp=sum_dp and layout.dp > 1):
             fwd().backward(grad)

@@ -5,7 +5,8 @@ on the reference block, over the same tp mesh.
 As for the fusion, c_attn's rows are reordered head by head first
 (shard.qkv_heads_interleaved), so that the column-parallel split gives each
 rank whole heads of q, k and v; each rank then runs attention on its heads.
-DTensor inserts the two all-reduces after the row-parallel linears.
+DTensor inserts the two all-reduces after the row-parallel linears. Its
+forward is the reference's `sdpa_forward(block, x, p, heads_interleaved=True)`.
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 
 from tpfuser.plan import PARAM_PLACEMENTS
-from tpfuser.reference import Block, gelu_tanh
+from tpfuser.reference import Block
 from tpfuser.shard import qkv_blocked, qkv_heads_interleaved
 
 # DTensor's names for the plan's linears: a weight split on its output rows is
@@ -36,18 +36,6 @@ def dtensor_block(ref: Block, tp_mesh) -> Block:
             p.copy_(qkv_heads_interleaved(p, ref.cfg.n_head))
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     return parallelize_module(block, tp_mesh, {name: styles[kind]() for name, kind in TP_PLAN_NAMES.items()})
-
-
-def dtensor_forward(block: Block, x: torch.Tensor, p: float) -> torch.Tensor:
-    """nanoGPT's training forward, attention on this rank's heads; x and the
-    result are replicated over tp."""
-    b, s, e = x.shape
-    d = e // block.cfg.n_head
-    qkv = block.attn.c_attn(block.ln_1(x))                        # (b, s, 3e/tp), rows [h/tp, 3, d]
-    q, k, v = (t.transpose(1, 2) for t in qkv.view(b, s, -1, 3, d).unbind(3))   # (b, h/tp, s, d)
-    y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True).transpose(1, 2).reshape(b, s, -1)
-    x = x + F.dropout(block.attn.c_proj(y), p)
-    return x + F.dropout(block.mlp.c_proj(gelu_tanh(block.mlp.c_fc(block.ln_2(x)))), p)
 
 
 def full_grads(block: Block) -> dict[str, torch.Tensor]:

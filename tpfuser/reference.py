@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from tpfuser.config import BlockConfig
 from tpfuser.tensors import PARAMS
@@ -114,6 +115,24 @@ class Block(nn.Module):
         """Parameters in PARAM_NAMES order, detached."""
         state = self.state_dict()
         return [state[name].detach() for name in PARAM_NAMES]
+
+
+def sdpa_forward(block: Block, x: torch.Tensor, p: float, heads_interleaved: bool = False) -> torch.Tensor:
+    """nanoGPT's training forward as a PyTorch user runs it: PyTorch's fused
+    attention (SDPA) and F.dropout, on the reference block's weights (the
+    benchmark's eager and torch.compile peers; with heads_interleaved, c_attn's
+    rows head by head, as DTensor's tensor-parallel peer holds them: each rank
+    then sees whole heads)."""
+    b, s, _ = x.shape
+    d = block.cfg.head_dim
+    qkv = block.attn.c_attn(block.ln_1(x))
+    if heads_interleaved:   # rows [h, 3, d] (shard.qkv_heads_interleaved)
+        q, k, v = (t.transpose(1, 2) for t in qkv.view(b, s, -1, 3, d).unbind(3))    # (b, h, s, d)
+    else:                   # nanoGPT's rows [3, h, d]
+        q, k, v = (t.view(b, s, -1, d).transpose(1, 2) for t in qkv.chunk(3, dim=2))  # (b, h, s, d)
+    y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True).transpose(1, 2).reshape(b, s, -1)
+    x = x + F.dropout(block.attn.c_proj(y), p)
+    return x + F.dropout(block.mlp.c_proj(gelu_tanh(block.mlp.c_fc(block.ln_2(x)))), p)
 
 
 def make_block(cfg: BlockConfig, seed: int = 0, dtype=torch.float32, device="cpu", drawn_on="cpu") -> Block:
