@@ -175,3 +175,16 @@ def test_kernel_summary_by_hand():
     assert s["idle_ms_per_call"] == pytest.approx(0.25)
     assert s["top_kernels_ms_per_call"] == [["gemm", pytest.approx(0.1)], ["gelu", pytest.approx(0.03)]]
     assert kernel_summary(kernels, calls=2, median_ms=0.1)["idle_ms_per_call"] == 0.0   # never negative
+
+
+def test_readme_transcript_is_what_main_prints(capsys):
+    """The README's fresh-clone transcript of `make` shows what the main job prints today."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the main job checks instead")
+    readme = open("README.md").read()
+    start = readme.index("    .venv/bin/tpfuser main\n") + len("    .venv/bin/tpfuser main\n")
+    end = readme.index("\nDependencies are pinned")
+    shown = [line[4:] for line in readme[start:end].rstrip().splitlines()]
+    assert main(["main"]) == 0
+    printed = capsys.readouterr().out.rstrip().splitlines()
+    assert shown == printed
