@@ -68,7 +68,7 @@ step_gpt3() {
   T 300 -- python3 -m tpfuser.bench --preset gpt3 --json "$OUT/bench_gpt3.json" --iters $(((${ITERS:-30} + 1) / 2))
 }
 
-unset NVFUSER_MASTER_PORT   # single-process runs pick a free port (tpfuser/fusion.py): concurrent steps do not collide
+unset NVFUSER_MASTER_PORT   # single-process runs pick a free port (tpfuser/world.py): concurrent steps do not collide
 
 # Steps joined by + run at the same time (e.g. ONLY="fwd+bwd+dp train"); their output is
 # printed when the group ends. Only put correctness steps together: timings need the GPU alone.

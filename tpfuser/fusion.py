@@ -13,38 +13,13 @@ so that splitting its rows over tp gives each rank whole heads of q, k and v.
 from __future__ import annotations
 
 import math
-import os
-import socket
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
 
-SINGLE_PROCESS_MARK = "TPFUSER_SINGLE_PROCESS"
-
-
-def _single_process_defaults() -> None:
-    """Outside torchrun/mpirun, describe a world of one so that nvFuser's
-    Communicator comes up and a 1x1 mesh runs through the same code path.
-    Without a CUDA device the Communicator cannot start at all: leave it be."""
-    if not torch.cuda.is_available():
-        return
-    if any(v in os.environ for v in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE")) or SINGLE_PROCESS_MARK in os.environ:
-        return
-    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")):
-        os.environ.setdefault(name, value)
-    os.environ.setdefault("NVFUSER_MASTER_ADDR", "localhost")
-    if "NVFUSER_MASTER_PORT" not in os.environ:
-        with socket.socket() as s:  # a free port, so that concurrent runs do not collide
-            s.bind(("localhost", 0))
-            os.environ["NVFUSER_MASTER_PORT"] = str(s.getsockname()[1])
-    os.environ[SINGLE_PROCESS_MARK] = "1"
-
-
-_single_process_defaults()
-
-import nvfuser_direct as nvf  # noqa: E402
-from nvfuser_direct import DataType, FusionDefinition, ParallelType  # noqa: E402
+import nvfuser_direct as nvf
+from nvfuser_direct import DataType, FusionDefinition, ParallelType
 
 from tpfuser.config import BlockConfig, Layout
 from tpfuser.dropout import hash_positions, keep_threshold

@@ -16,6 +16,7 @@ import sys
 import time
 
 from tpfuser.config import Layout
+from tpfuser.world import SINGLE_PROCESS_MARK
 
 # A rank that dies leaves the others waiting in a collective; NCCL's watchdog
 # and torchrun bound that. This is the bound we ask of the whole run, read
@@ -47,8 +48,8 @@ def _env_int(names, default: int) -> tuple[int, str]:
 
 
 def in_launcher() -> bool:
-    """True under torchrun or mpirun (not in the world of one fusion.py describes)."""
-    return "TPFUSER_SINGLE_PROCESS" not in os.environ and any(n in os.environ for n in _SIZE_VARS)
+    """True under torchrun or mpirun (not in the world of one world.describe_single_process describes)."""
+    return SINGLE_PROCESS_MARK not in os.environ and any(n in os.environ for n in _SIZE_VARS)
 
 
 def rank_info() -> dict[str, int]:
@@ -136,11 +137,11 @@ def rank_groups(layout: Layout, rank: int):
 def torchrun_command(layout: Layout, argv: list[str], environ: dict[str, str],
                      shared_gpus: int = 0) -> tuple[list[str], dict[str, str]]:
     """The command and environment that re-run `tpfuser argv` under torchrun on this node.
-    The world of one that fusion.py may have described for this process is dropped.
+    The world of one this process may have described (world.py) is dropped.
     shared_gpus > 0: the ranks share that many GPUs (tpfuser.sharegpu sets each rank up)."""
     from tpfuser.sharegpu import SHARED_GPU_MARK
     env = {k: v for k, v in environ.items()
-           if k not in ("TPFUSER_SINGLE_PROCESS", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+           if k not in (SINGLE_PROCESS_MARK, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                         "NVFUSER_MASTER_ADDR", "NVFUSER_MASTER_PORT", SHARED_GPU_MARK)}
     module = "tpfuser.cli"
     if shared_gpus:

@@ -20,9 +20,10 @@ from tpfuser.dropout import STREAMS, flash_seed, stream_key
 from tpfuser.fusion import MASK_STARTS, build_backward, build_forward, rng_input_names, saved_names
 from tpfuser.plan import PARAM_PLACEMENTS, local_shape, placements
 from tpfuser.reference import PARAM_NAMES, param_shapes
-from tpfuser.tensors import MASKS
 from tpfuser.shard import fusion_params, local_slice, rank_params, slice_starts
+from tpfuser.tensors import MASKS
 from tpfuser.weights import check_finite, check_nanogpt, check_tensor, from_hf_gpt2
+from tpfuser.world import describe_single_process
 
 # The tensors each dropout stream masks (fusion.MASK_STARTS, plan.placements).
 MASKED = {stream: mask.name for stream, mask in MASKS.items()}
@@ -80,7 +81,10 @@ class ShardedBlock:
         dp_group: the torch.distributed group of this rank's dp replicas (launch.dp_group),
         over which backward sums the parameter gradients; needed when dp > 1.
         check_finite: refuse an input (x, grad_out) holding NaN or inf; off by
-        default, since reading the count back waits for the GPU on every call."""
+        default, since reading the count back waits for the GPU on every call.
+        On its own (no launcher) the process describes a world of one to nvFuser
+        first (world.describe_single_process): before its first fusion runs."""
+        describe_single_process()
         layout.check(cfg)
         if not mesh and layout.world_size != 1:
             raise ValueError(f"mesh=False needs a 1x1 layout, got {layout.dp}x{layout.tp}")
