@@ -32,8 +32,9 @@ from tpfuser.dropout import flash_seed, keep_mask, stream_key
 from tpfuser.plan import DP, backward_collectives, collectives, local_shape, placements
 from tpfuser.fusion import saved_names
 from tpfuser.reference import PARAM_NAMES, Masks, make_block, make_input
-from tpfuser.runtime import MASKED, ShardedBlock, mask_shape, seeded_cuda_generator
+from tpfuser.runtime import ShardedBlock, mask_shape, seeded_cuda_generator
 from tpfuser.shard import fusion_params, local_slice, rank_params, slice_starts
+from tpfuser.tensors import tensors
 
 # Every bound the checks (and the GPU tests) apply: (dtype, quantity) -> (bound, why).
 # "out" and "grad" are relative L2 errors, "wrong_stream" a factor.
@@ -117,18 +118,16 @@ def oracle_masks(case: Case, device) -> Masks | None:
 
 
 def rank_masks(case: Case, rank: int, device) -> dict[str, torch.Tensor]:
-    """This rank's slice of every hash mask its fusion draws, by name (runtime.MASKED)."""
+    """This rank's slice of every hash mask its fusion draws, by name (the
+    masks tensors.py lists for cfg: none without dropout, no attention mask
+    where flash attention draws its own)."""
     cfg, layout = case.cfg, case.layout
-    if cfg.dropout == 0:
-        return {}
     where, out = placements(layout), {}
-    for stream, name in MASKED.items():
-        if stream == "attn" and case.replays_flash:
-            continue
-        shape = mask_shape(cfg, stream)
-        out[name] = keep_mask(stream_key(case.rng_seed, case.rng_offset, stream), cfg.dropout,
-                              local_shape(shape, where[name], layout),
-                              slice_starts(shape, where[name], layout, rank), shape, device)
+    for mask in tensors(cfg, "mask"):
+        shape, placement = mask.shape(cfg), where[mask.name]
+        out[mask.name] = keep_mask(stream_key(case.rng_seed, case.rng_offset, mask.stream), cfg.dropout,
+                                   local_shape(shape, placement, layout),
+                                   slice_starts(shape, placement, layout, rank), shape, device)
     return out
 
 

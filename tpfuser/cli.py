@@ -128,7 +128,6 @@ def _check_cfgs(args):
 def cmd_check(args) -> int:
     cfgs, layout = _check_cfgs(args)
     if args.collectives:   # before nvFuser is imported: it reads its options once
-        import os
         os.environ["NVFUSER_DUMP"] = ",".join(filter(None, [os.environ.get("NVFUSER_DUMP"), "communication"]))
     from tpfuser.launch import in_launcher, relaunch
     if layout.world_size > 1 and not in_launcher():

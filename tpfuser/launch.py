@@ -281,6 +281,10 @@ def relaunch(layout: Layout, argv: list[str] | None = None, share_gpu: bool = Fa
     return returncode
 
 
+# A rank's CUDA context, nvFuser's and NCCL's buffers (about 0.6 GiB seen per process on the H200).
+RANK_CONTEXT_BYTES = 1 << 30
+
+
 def shared_gpu_bytes(cfg, layout: Layout) -> int:
     """GPU memory a --share-gpu check of cfg on this mesh needs, all ranks on one
     GPU (an estimate): every rank's CUDA context and communicators, its weights,
@@ -297,10 +301,6 @@ def shared_gpu_bytes(cfg, layout: Layout) -> int:
     if cfg.dtype == "fp32":   # the written-out attention's [b, h, s, s] probabilities, a few of them
         oracle += 4 * cfg.batch * cfg.n_head * cfg.seq * cfg.seq * 6
     return layout.world_size * per_rank + oracle
-
-
-# A rank's CUDA context, nvFuser's and NCCL's buffers (about 0.6 GiB seen per process on the H200).
-RANK_CONTEXT_BYTES = 1 << 30
 
 
 def check_shared_gpu_fits(cfg, layout: Layout, free_bytes: int) -> None:
