@@ -72,7 +72,7 @@ def test_backward_builds_and_is_sharded_as_planned(layout, dtype):
     ff = build_forward(cfg, layout, train=True)
     assert list(ff.outputs) == ["out", *saved_names(cfg)]
     from tpfuser.fusion import saved_shapes
-    from tpfuser.reference import param_shapes
+    from tpfuser.tensors import param_shapes
     shapes = {**param_shapes(cfg), **saved_shapes(cfg), **{f"grad.{n}": v for n, v in param_shapes(cfg).items()},
               "x": (4, 16, 64), "grad_out": (4, 16, 64), "grad_x": (4, 16, 64)}
     intermediates = ("g.mlp.c_proj.out", "g.attn.c_proj.out", "ln_2.out", "ln_1.out", "g.ln_2.out", "g.ln_1.out")
@@ -98,7 +98,7 @@ def test_backward_runs_on_the_ranks_tp_row():
     cfg = preset("tiny")
     row1 = build_backward(cfg, Layout(2, 2), dp_rank=1)
     mesh, axes = loop_sharding(row1.inputs["q"])
-    assert mesh == "DeviceMesh{2 3}" and axes == [("", 2), ("mesh_x", 2), ("", 4), ("", 16), ("", 8)]   # [b/dp, h, s, d]
+    assert mesh == "DeviceMesh{2 3}" and axes == [("", 2), ("", 16), ("mesh_x", 2), ("", 32)]   # [b/dp, s, e split by heads]
     assert loop_sharding(row1.outputs["grad.mlp.c_fc.weight"]) == ("DeviceMesh{2 3}", [("mesh_x", 2), ("", 128), ("", 64)])
     row0 = build_backward(cfg, Layout(2, 2), dp_rank=0)   # kept: its TensorViews die with it
     assert loop_sharding(row0.inputs["x"])[0] == "DeviceMesh{0 1}"
