@@ -17,7 +17,7 @@ import torch
 
 from tpfuser.config import BlockConfig, Layout
 from tpfuser.dropout import STREAMS, flash_seed, stream_key
-from tpfuser.fusion import MASK_STARTS, build_backward, build_forward, rng_input_names, saved_names
+from tpfuser.fusion import BACKWARD_PARAMS, MASK_STARTS, build_backward, build_forward, rng_input_names, saved_names
 from tpfuser.plan import PARAM_PLACEMENTS, local_shape, placements
 from tpfuser.reference import PARAM_NAMES, state_shapes
 from tpfuser.tensors import param_shapes
@@ -240,7 +240,9 @@ class ShardedBlock:
         if len(saved) != len(saved_names(self.cfg)):
             raise ValueError(f"saved: expected {len(saved_names(self.cfg))} tensors "
                              f"({', '.join(saved_names(self.cfg))}), got {len(saved)}")
-        return [grad_out.contiguous(), x.contiguous(), *params, *(t.contiguous() for t in saved)]
+        by_name = dict(zip(PARAM_NAMES, params))
+        return [grad_out.contiguous(), x.contiguous(), *(by_name[n] for n in BACKWARD_PARAMS),
+                *(t.contiguous() for t in saved)]
 
 
 def sum_over_group(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
