@@ -52,19 +52,14 @@ def _layer_norm(x, weight, bias):
     return (x - mean) / torch.sqrt(var + LN_EPS) * weight + bias
 
 
-def _rank_qkv(ln_1, w, h_local, d):
-    """c_attn's three column-parallel linears (weight [3, e/tp, e]): q, k, v (b, h/tp, s, d)."""
-    b, s, _ = ln_1.shape
-    return tuple((ln_1 @ w["attn.c_attn.weight"][i].T + w["attn.c_attn.bias"][i]).view(b, s, h_local, d).transpose(1, 2)
-                 for i in range(3))
-
-
 def _rank_attention(ln_1, w, cfg: BlockConfig, tp: int):
     """Column-parallel qkv, attention over this rank's heads, and the partial
     row-parallel projection (no bias): sum over ranks = c_proj(attn) - bias."""
     b, s, _ = ln_1.shape
     h_local, d = cfg.n_head // tp, cfg.head_dim
-    q, k, v = _rank_qkv(ln_1, w, h_local, d)
+    qkv = ln_1 @ w["attn.c_attn.weight"].T + w["attn.c_attn.bias"]  # (b, s, 3e/tp), heads outermost
+    qkv = qkv.view(b, s, h_local, 3, d)
+    q, k, v = (qkv[..., i, :].transpose(1, 2) for i in range(3))   # (b, h/tp, s, d)
     scores = q @ k.transpose(-2, -1) / math.sqrt(d)
     causal = torch.ones(s, s, dtype=torch.bool).tril()
     y = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1) @ v
@@ -96,7 +91,8 @@ def _rank_attention_backward(g_attn, ln_1, w, cfg: BlockConfig, tp: int):
     partial gradient of ln_1's output (to be summed over tp)."""
     b, s, _ = ln_1.shape
     h_local, d = cfg.n_head // tp, cfg.head_dim
-    q, k, v = _rank_qkv(ln_1, w, h_local, d)                                 # (b, h/tp, s, d)
+    qkv = (ln_1 @ w["attn.c_attn.weight"].T + w["attn.c_attn.bias"]).view(b, s, h_local, 3, d)
+    q, k, v = (qkv[..., i, :].transpose(1, 2) for i in range(3))            # (b, h/tp, s, d)
     causal = torch.ones(s, s, dtype=torch.bool).tril()
     probs = torch.softmax((q @ k.transpose(-2, -1) / math.sqrt(d)).masked_fill(~causal, float("-inf")), -1)
     y = (probs @ v).transpose(1, 2).reshape(b, s, h_local * d)               # (b, s, e/tp)
@@ -106,11 +102,10 @@ def _rank_attention_backward(g_attn, ln_1, w, cfg: BlockConfig, tp: int):
     g_probs = g_y @ v.transpose(-2, -1)
     g_scores = probs * (g_probs - (g_probs * probs).sum(-1, keepdim=True)) / math.sqrt(d)
     g_q, g_k = g_scores @ k, g_scores.transpose(-2, -1) @ q
-    g_parts = [t.transpose(1, 2).reshape(b * s, -1) for t in (g_q, g_k, g_v)]   # (bs, e/tp) each
-    grads["attn.c_attn.weight"] = torch.stack([g.T @ ln_1.reshape(b * s, -1) for g in g_parts])
-    grads["attn.c_attn.bias"] = torch.stack([g.sum(0) for g in g_parts])
-    g_ln_1 = sum(g @ w["attn.c_attn.weight"][i] for i, g in enumerate(g_parts))
-    return grads, g_ln_1.view(b, s, -1)
+    g_qkv = torch.stack([t.transpose(1, 2) for t in (g_q, g_k, g_v)], dim=3).reshape(b, s, -1)  # [h, 3, d] rows
+    grads["attn.c_attn.weight"] = g_qkv.reshape(b * s, -1).T @ ln_1.reshape(b * s, -1)
+    grads["attn.c_attn.bias"] = g_qkv.sum((0, 1))
+    return grads, g_qkv @ w["attn.c_attn.weight"]
 
 
 def _attention_half(xs, ranks, cfg: BlockConfig, c: Collectives):

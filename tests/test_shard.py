@@ -1,12 +1,11 @@
-"""Slicing, c_attn's shapes (the fusion's and the DTensor peer's), and the float64 simulation of the tp ranks."""
+"""Slicing, the c_attn reordering, and the float64 simulation of the tp ranks."""
 import pytest
 import torch
 
 from tpfuser.config import Layout, preset
 from tpfuser.plan import placements
 from tpfuser.reference import make_block, make_input
-from tpfuser.shard import (fusion_params, gather, local_slice, qkv_blocked, qkv_heads_interleaved, rank_params,
-                           state_params)
+from tpfuser.shard import gather, local_slice, qkv_blocked, qkv_heads_interleaved, rank_params, fusion_params
 from tests.simulation import simulate_forward
 
 PLACEMENTS = placements(Layout())   # tensor parallelism alone
@@ -14,35 +13,14 @@ MESHES = [Layout(1, 1), Layout(1, 2), Layout(2, 1), Layout(2, 2), Layout(1, 8), 
 MESH_IDS = [f"{m.dp}x{m.tp}" for m in MESHES]
 
 
-def tagged_c_attn(h, d, e):
-    """nanoGPT's c_attn weight [3e, e], each row tagged with (which of q/k/v, head, row in head)."""
-    tags = torch.tensor([[i, hh, j] for i in range(3) for hh in range(h) for j in range(d)], dtype=torch.float64)
-    return torch.cat([tags, torch.zeros(3 * e, e - 3, dtype=torch.float64)], 1)
-
-
-@pytest.mark.parametrize("tp", [1, 2, 8])
-def test_fusion_c_attn_gives_each_tp_rank_whole_heads_of_q_k_v(tp):
-    cfg = preset("tiny")   # 8 heads: tp 8 is one head per rank
-    h, d, e = cfg.n_head, cfg.head_dim, cfg.n_embd
-    w = tagged_c_attn(h, d, e)
-    fparams = fusion_params({**make_block(cfg).state_dict(), "attn.c_attn.weight": w}, cfg)
-    assert fparams["attn.c_attn.weight"].shape == (3, e, e)
-    for rank in range(tp):
-        shard = rank_params(fparams, Layout(1, tp), rank)[2]   # attn.c_attn.weight, [3, e/tp, e]
-        for i in range(3):
-            assert torch.equal(shard[i, :, 0], torch.full((e // tp,), float(i), dtype=torch.float64))
-            heads = shard[i, :, 1].view(h // tp, d)
-            assert torch.equal(heads, (torch.arange(h // tp) + rank * h // tp).view(-1, 1).expand_as(heads).double())
-    assert torch.equal(state_params(fparams, cfg)["attn.c_attn.weight"], w)
-
-
 def test_qkv_reorder_gives_each_tp_rank_whole_heads():
-    """The DTensor peer's order: rows head by head, split over tp as they come."""
     h, d, e, tp = 8, 4, 32, 4
-    w = tagged_c_attn(h, d, e)
+    # Row r of the blocked weight is tagged with (which of q/k/v, head, row in head).
+    tags = torch.tensor([[i, hh, j] for i in range(3) for hh in range(h) for j in range(d)], dtype=torch.float64)
+    w = torch.cat([tags, torch.zeros(3 * e, e - 3, dtype=torch.float64)], 1)
     inter = qkv_heads_interleaved(w, h)
     for rank in range(tp):
-        shard = local_slice(inter, {0: "tp"}, Layout(1, tp), rank)
+        shard = local_slice(inter, PLACEMENTS["attn.c_attn.weight"], Layout(1, tp), rank)
         heads = shard[:, 1].reshape(h // tp, 3, d)
         which = shard[:, 0].reshape(h // tp, 3, d)
         assert torch.equal(heads, (torch.arange(h // tp) + rank * h // tp).view(-1, 1, 1).expand_as(heads).double())
@@ -81,7 +59,7 @@ def test_rank_params_shapes_gpt3_tp8():
     shards = rank_params(fusion_params(make_block(cfg).state_dict(), cfg), Layout(1, 8), 3)
     e = cfg.n_embd
     assert [tuple(s.shape) for s in shards] == [
-        (e,), (e,), (3, e // 8, e), (3, e // 8), (e, e // 8), (e,), (e,), (e,), (4 * e // 8, e), (4 * e // 8,),
+        (e,), (e,), (3 * e // 8, e), (3 * e // 8,), (e, e // 8), (e,), (e,), (e,), (4 * e // 8, e), (4 * e // 8,),
         (e, 4 * e // 8), (e,)]
 
 
@@ -97,12 +75,12 @@ def test_tp_simulation_equals_reference_float64(tp):
 
 
 def test_tp_simulation_detects_a_wrong_slicing():
-    """The simulation is sensitive: c_attn's rows head by head (the DTensor peer's order) at tp=2 give wrong q, k, v."""
+    """The simulation is sensitive: the blocked (unreordered) c_attn at tp=2 gives wrong heads."""
     cfg = preset("tiny")
     block = make_block(cfg, dtype=torch.float64)
     x = make_input(cfg, dtype=torch.float64)
     state = dict(block.state_dict())
-    for name in ("attn.c_attn.weight", "attn.c_attn.bias"):
-        state[name] = qkv_heads_interleaved(state[name], cfg.n_head)
+    for name in ("attn.c_attn.weight", "attn.c_attn.bias"):   # undo the reorder fusion_params applies
+        state[name] = qkv_blocked(state[name], cfg.n_head)
     err = ((simulate_forward(x, state, cfg, Layout(1, 2))[0] - block(x)).norm() / block(x).norm()).item()
     assert err > 1e-3

@@ -18,17 +18,16 @@ def test_parameters_are_the_reference_blocks():
     cfg = preset("tiny")
     state = make_block(cfg).state_dict()
     assert list(state) == list(PARAM_NAMES)
-    assert all(tuple(state[n].shape) == BY_NAME[n].state_shape(cfg) for n in PARAM_NAMES)
-    assert BY_NAME["attn.c_attn.weight"].shape(cfg) == (3, 64, 64)   # the fusion's: q, k, v
+    assert all(tuple(state[n].shape) == BY_NAME[n].shape(cfg) for n in PARAM_NAMES)
 
 
 @pytest.mark.parametrize("name, tp, sp", [
-    ("attn.c_attn.weight", {1: TP}, {1: TP}),          # column-parallel: each of q, k, v's output rows
+    ("attn.c_attn.weight", {0: TP}, {0: TP}),          # column-parallel: output rows
     ("attn.c_proj.weight", {1: TP}, {1: TP}),          # row-parallel: input columns
     ("attn.c_proj.bias", {}, {}),                      # added once, after the reduction
     ("mlp.c_fc.bias", {0: TP}, {0: TP}),
     ("x", {0: DP}, {0: DP, 1: TP}),                    # replicated over tp; SP splits the sequence
-    ("q", {0: DP, 2: TP}, {0: DP, 2: TP}),             # heads over tp, whole sequence under SP
+    ("q", {0: DP, 1: TP}, {0: DP, 1: TP}),             # heads over tp, whole sequence under SP
     ("mlp_h", {0: DP, 2: TP}, {0: DP, 2: TP}),
     ("attn_keep", {0: DP, 1: TP}, {0: DP, 1: TP}),
     ("g.mlp.c_proj.out", {0: DP}, {0: DP}),            # read whole by the weight gradient (SP: gathered)

@@ -5,10 +5,9 @@ This is the one module that imports nvfuser_direct. `define_forward` and
 applies the dp x tp mesh from plan.placements; nvFuser propagates the sharding
 to the intermediates and inserts the collectives.
 
-The c_attn weight the fusion takes is nanoGPT's [3e, e] seen as [3, e, e]
-(shard.fusion_params): three column-parallel linears, q, k and v, each's rows
-split over tp by heads. q, k and v are never slices of one activation: nvFuser
-0.2.36 misreads such slices with one head per rank (NOTES.md).
+The c_attn weight the fusion takes has its rows ordered head by head
+([h, 3, d] rather than nanoGPT's [3, h, d]; see shard.qkv_heads_interleaved),
+so that splitting its rows over tp gives each rank whole heads of q, k and v.
 """
 
 from __future__ import annotations
@@ -25,8 +24,8 @@ from nvfuser_direct import DataType, FusionDefinition, ParallelType
 from tpfuser.config import BlockConfig, Layout
 from tpfuser.dropout import hash_positions, keep_threshold
 from tpfuser.plan import DP, TP, axis_sizes, placements, saved_specs
-from tpfuser.reference import LN_EPS, PARAM_NAMES
-from tpfuser.tensors import MASKS, param_shapes
+from tpfuser.reference import LN_EPS, PARAM_NAMES, param_shapes
+from tpfuser.tensors import MASKS
 
 _NV_DTYPE = {torch.bfloat16: DataType.BFloat16, torch.float32: DataType.Float}
 _MESH_AXIS = {DP: ParallelType.mesh_y, TP: ParallelType.mesh_x}
@@ -53,7 +52,6 @@ class ForwardFusion:
     check: bool
     inputs: dict = field(default_factory=dict)    # name -> TensorView (x, params)
     outputs: dict = field(default_factory=dict)   # name -> TensorView, in output order
-    intermediates: dict = field(default_factory=dict)   # placed by the schedule (tensors.py)
     has_rng: bool = False   # takes the scalars rng_input_names(cfg) after the tensors
 
 
@@ -172,20 +170,22 @@ def saved_names(cfg: BlockConfig) -> list[str]:
     return list(saved_specs(cfg))
 
 
-def _qkv_parts(fd, w, cfg):
-    """c_attn's three linears, q, k, v: [(weight [e, e], bias [e])], each a
-    block of the [3, e, e] weight along its first (unsplit) axis."""
-    e = cfg.n_embd
-    weight, bias = w["attn.c_attn.weight"], w["attn.c_attn.bias"]
-    return [(fd.ops.squeeze(fd.ops.slice(weight, start_indices=[i, 0, 0], end_indices=[i + 1, e, e]), dims=[0]),
-             fd.ops.squeeze(fd.ops.slice(bias, start_indices=[i, 0], end_indices=[i + 1, e]), dims=[0]))
-            for i in range(3)]
+def _split_heads(fd, qkv, cfg):
+    """(b, s, 3e) with rows ordered [h, 3, d] -> q, k, v each (b, h, s, d), each
+    passed through a kernel (the multiplication by one) and saved for the
+    backward, which then slices nothing. Meant to spare nvFuser 0.2.36 the
+    strided views it misreads with one head per rank; it does not (nvFuser
+    still makes each slice a view first: run 9, NOTES.md has the reproducer).
+    This is the form the mesh checks of run 9 passed with."""
+    b, s, h, d = cfg.batch, cfg.seq, cfg.n_head, cfg.head_dim
+    # Reshape before slicing, so that the tp split (on heads) is not sliced.
+    qkv = fd.ops.reshape(qkv, new_shape=[b, s, h, 3 * d])  # (b, s, h, 3d)
 
-
-def _heads(fd, t, cfg):
-    """(b, s, e) -> (b, h, s, d)"""
-    t = fd.ops.reshape(t, new_shape=[cfg.batch, cfg.seq, cfg.n_head, cfg.head_dim])
-    return fd.ops.permute(t, dims=[0, 2, 1, 3])
+    def part(i):
+        t = fd.ops.slice(qkv, start_indices=[0, 0, 0, i * d], end_indices=[b, s, h, (i + 1) * d])   # (b, s, h, d)
+        t = fd.ops.cast(fd.ops.mul(fd.ops.cast(t, DataType.Float), 1.0), _NV_DTYPE[cfg.torch_dtype])
+        return fd.ops.permute(t, dims=[0, 2, 1, 3])   # (b, h, s, d)
+    return tuple(part(i) for i in range(3))
 
 
 def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, train: bool = False) -> ForwardFusion:
@@ -210,10 +210,9 @@ def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, 
 
     x = fd.ops.cast(w["x"], DataType.Float)
     ln_1, saved["ln_1.mean"], saved["ln_1.rstd"] = _layer_norm(fd, x, w["ln_1.weight"], w["ln_1.bias"], [b, s, e])
-    # Read whole by c_attn's three linears: under sequence parallelism one all-gather.
-    ln_1 = ff.intermediates["ln_1.out"] = fd.ops.cast(ln_1, dtype)
-    saved["q"], saved["k"], saved["v"] = (fd.ops.linear(ln_1, wi, bi) for wi, bi in _qkv_parts(fd, w, cfg))
-    q, k, v = (_heads(fd, saved[n], cfg) for n in ("q", "k", "v"))   # (b, h, s, d), heads over tp
+    ln_1 = fd.ops.cast(ln_1, dtype)
+    qkv = fd.ops.linear(ln_1, w["attn.c_attn.weight"], w["attn.c_attn.bias"])  # (b, s, 3e), heads outermost
+    q, k, v = saved["q"], saved["k"], saved["v"] = _split_heads(fd, qkv, cfg)
     if cfg.torch_dtype == torch.bfloat16:
         # Flash attention; its dropout on the probabilities draws from ATen's
         # CUDA generator (replayable with torch.cuda.get/set_rng_state).
@@ -397,47 +396,20 @@ def _layer_norm_backward(fd, g, xhat, rstd, weight, bse):
 
 
 def _ln_linear_backward(fd, g, linear, x, ln, w, cfg):
-    """Backward of column-parallel linears on a LayerNorm's output: g, the
-    gradient of the linear's output (block dtype; for c_attn the list of its
-    three parts' [g_q, g_k, g_v]); x, the LayerNorm's input (float [b, s, e]);
-    the LayerNorm is recomputed from its saved statistics. Returns (gradient of
-    x, float; the linear's weight gradient and the LayerNorm's, by name; the
-    intermediates the schedule places). The linear's input gradient is a
-    partial sum over tp: nvFuser all-reduces it."""
+    """Backward of a column-parallel linear on a LayerNorm's output: g, the
+    gradient of the linear's output (block dtype); x, the LayerNorm's input
+    (float [b, s, e]); the LayerNorm is recomputed from its saved statistics.
+    Returns (gradient of x, float; the linear's weight gradient and the
+    LayerNorm's, by name; the intermediates the schedule places). The linear's
+    input gradient is a partial sum over tp: nvFuser all-reduces it."""
     bse = [cfg.batch, cfg.seq, cfg.n_embd]
     xhat = _normalize(fd, x, w[f"{ln}.mean"], w[f"{ln}.rstd"], bse)
     ln_out = fd.ops.cast(_affine(fd, xhat, w[f"{ln}.weight"], w[f"{ln}.bias"], bse), _NV_DTYPE[cfg.torch_dtype])
-    if linear == "attn.c_attn":
-        grads = {f"{linear}.weight": _stack(fd, [_weight_grad(fd, gi, ln_out, bse[0] * bse[1]) for gi in g],
-                                                     [bse[2], bse[2]])}
-        g_ln = _qkv_input_grad(fd, g, w[f"{linear}.weight"], cfg)
-    else:
-        grads = {f"{linear}.weight": _weight_grad(fd, g, ln_out, bse[0] * bse[1])}
-        g_ln = _input_grad(fd, g, w[f"{linear}.weight"])
-    g_ln = fd.ops.cast(g_ln, DataType.Float)
+    grads = {f"{linear}.weight": _weight_grad(fd, g, ln_out, bse[0] * bse[1])}
+    g_ln = fd.ops.cast(_input_grad(fd, g, w[f"{linear}.weight"]), DataType.Float)
     g_x, grads[f"{ln}.weight"], grads[f"{ln}.bias"] = _layer_norm_backward(
         fd, g_ln, xhat, w[f"{ln}.rstd"], w[f"{ln}.weight"], bse)
     return g_x, grads, {f"{ln}.out": ln_out, f"g.{ln}.out": g_ln}
-
-
-def _stack(fd, parts, shape):
-    """Tensors of one shape stacked along a new first axis: [n, *shape]."""
-    return fd.ops.cat([fd.ops.broadcast_in_dim(t, shape=[1, *shape], broadcast_dims=list(range(1, len(shape) + 1)))
-                       for t in parts], dim=0, manual_padding=0)
-
-
-def _qkv_input_grad(fd, g_parts, weight, cfg):
-    """sum_i g_i W_i over c_attn's three parts, as one product, so that its
-    partial sums over tp are all-reduced once: the gradients concatenated
-    head by head (b, s, [h, 3, d]) against the weight's rows in that order
-    ([h, 3, d], e). Each concatenation and reshape keeps the tp split on the
-    heads, outermost."""
-    b, s, e, h, d = cfg.batch, cfg.seq, cfg.n_embd, cfg.n_head, cfg.head_dim
-    g_cat = fd.ops.cat([fd.ops.reshape(gi, new_shape=[b, s, h, d]) for gi in g_parts], dim=3, manual_padding=0)
-    g_cat = fd.ops.reshape(g_cat, new_shape=[b, s, 3 * e])                                  # (b, s, [h, 3, d])
-    w_cat = fd.ops.permute(fd.ops.reshape(weight, new_shape=[3, h, d, e]), dims=[1, 0, 2, 3])   # (h, 3, d, e)
-    w_cat = fd.ops.reshape(w_cat, new_shape=[3 * e, e])
-    return _input_grad(fd, g_cat, w_cat)
 
 
 def _causal_attention_backward(fd, gy, q, k, v, probs, keep, dropped, cfg, p):
@@ -459,18 +431,10 @@ def backward_output_names() -> list[str]:
     return ["grad_x"] + [f"grad.{name}" for name in PARAM_NAMES]
 
 
-# The parameters the backward reads: the weights and the LayerNorms'. A
-# linear's bias is not read (its gradient is its output's, summed). An input
-# that is not read is not an input: nvFuser 0.2.36 validates a sharded input
-# no expression reads against its global sizes (c_attn's bias [3, e], split on
-# its second axis, failed every mesh so: run 12, NOTES.md).
-BACKWARD_PARAMS = tuple(n for n in PARAM_NAMES if n.endswith(".weight") or n.startswith("ln_"))
-
-
 def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None) -> BackwardFusion:
     """The block's backward on global shapes.
 
-    Inputs: grad_out [b, s, e], x, the parameters it reads (BACKWARD_PARAMS), the saved
+    Inputs: grad_out [b, s, e], x, the parameters (PARAM_NAMES order), the saved
     tensors (saved_names order), the fusion's dropout masks among them; flash
     attention's own dropout is replayed by sdpfa_bwd from its saved philox state.
     Outputs: grad_x, then the gradient of every parameter in PARAM_NAMES order
@@ -483,8 +447,8 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None) -> Bac
     nv = {"block": dtype, "f32": DataType.Float, "u64": DataType.UInt64, "bool": DataType.Bool}
     bf.inputs["grad_out"] = fd.define_tensor(shape=[b, s, e], contiguity=True, dtype=dtype)
     bf.inputs["x"] = fd.define_tensor(shape=[b, s, e], contiguity=True, dtype=dtype)
-    for name in BACKWARD_PARAMS:
-        bf.inputs[name] = fd.define_tensor(shape=list(param_shapes(cfg)[name]), contiguity=True, dtype=dtype)
+    for name, shape in param_shapes(cfg).items():
+        bf.inputs[name] = fd.define_tensor(shape=list(shape), contiguity=True, dtype=dtype)
     for name, (shape, kind) in saved_specs(cfg).items():
         bf.inputs[name] = fd.define_tensor(shape=list(shape), contiguity=True, dtype=nv[kind])
     w = bf.inputs
@@ -508,7 +472,7 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None) -> Bac
     # Attention branch: x1 = x + dropout(attn(ln_1(x)) W_proj^T + b_proj)
     g_attn = _dropout(fd, g_x1, w["resid_attn_keep"], p) if p > 0 else g_x1
     grads["attn.c_proj.bias"] = _sum_rows(fd, g_attn)
-    q, k, v = (_heads(fd, w[n], cfg) for n in ("q", "k", "v"))            # (b, h, s, d)
+    q, k, v = w["q"], w["k"], w["v"]                                       # (b, h, s, d)
     g_attn = bf.intermediates["g.attn.c_proj.out"] = fd.ops.cast(g_attn, dtype)
     if cfg.torch_dtype == torch.bfloat16:
         y = w["sdpa_out"]
@@ -526,11 +490,12 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None) -> Bac
             fd.define_scalar(True, dtype=DataType.Bool), w["sdpa_seed"], w["sdpa_offset"], None)
     else:
         g_q, g_k, g_v = _causal_attention_backward(fd, g_y, q, k, v, probs, keep, dropped, cfg, p)
-    # c_attn: three linears (q, k, v) on ln_1's output; their gradients (b, s, e).
-    g_parts = [fd.ops.reshape(fd.ops.permute(t, dims=[0, 2, 1, 3]), new_shape=[b, s, e]) for t in (g_q, g_k, g_v)]
-    grads["attn.c_attn.bias"] = _stack(fd, [_sum_rows(fd, fd.ops.cast(t, DataType.Float)) for t in g_parts], [e])
-    g_parts = [fd.ops.cast(t, dtype) for t in g_parts]
-    g_x, more, placed = _ln_linear_backward(fd, g_parts, "attn.c_attn",
+    # Back to the fusion's qkv row order, [h, 3, d]: cat before the reshape, so
+    # that the concatenation is not along the tp-split dimension (heads).
+    g_qkv = fd.ops.cat([fd.ops.permute(t, dims=[0, 2, 1, 3]) for t in (g_q, g_k, g_v)], dim=3, manual_padding=0)
+    g_qkv = fd.ops.reshape(g_qkv, new_shape=[b, s, 3 * e])                 # (b, s, 3e)
+    grads["attn.c_attn.bias"] = _sum_rows(fd, fd.ops.cast(g_qkv, DataType.Float))
+    g_x, more, placed = _ln_linear_backward(fd, fd.ops.cast(g_qkv, dtype), "attn.c_attn",
                                             fd.ops.cast(w["x"], DataType.Float), "ln_1", w, cfg)
     grads |= more
     bf.intermediates |= placed

@@ -291,7 +291,7 @@ def shared_gpu_bytes(cfg, layout: Layout) -> int:
     gradients and saved activations a few times over, and rank 0's float32
     reference of the whole block (weights, gradients, activations)."""
     from tpfuser.plan import PARAM_PLACEMENTS, local_shape, saved_bytes_per_rank
-    from tpfuser.tensors import param_shapes
+    from tpfuser.reference import param_shapes
     shapes = param_shapes(cfg)
     total = sum(math.prod(s) for s in shapes.values())
     local = sum(math.prod(local_shape(s, PARAM_PLACEMENTS[n], layout)) for n, s in shapes.items())

@@ -2,10 +2,9 @@
 DTensor's `parallelize_module` with `ColwiseParallel` / `RowwiseParallel`
 on the reference block, over the same tp mesh.
 
-c_attn's rows are reordered head by head first (shard.qkv_heads_interleaved),
-so that DTensor's column-parallel split of its rows gives each rank whole
-heads of q, k and v (the fusion splits each of q, k, v instead); each rank
-then runs attention on its heads.
+As for the fusion, c_attn's rows are reordered head by head first
+(shard.qkv_heads_interleaved), so that the column-parallel split gives each
+rank whole heads of q, k and v; each rank then runs attention on its heads.
 DTensor inserts the two all-reduces after the row-parallel linears. Its
 forward is the reference's `sdpa_forward(block, x, p, heads_interleaved=True)`.
 """
@@ -16,12 +15,15 @@ import copy
 
 import torch
 
-from tpfuser.plan import LINEARS
+from tpfuser.plan import PARAM_PLACEMENTS
 from tpfuser.reference import Block
 from tpfuser.shard import qkv_blocked, qkv_heads_interleaved
 
-# DTensor's names for the plan's column- and row-parallel linears (plan.LINEARS).
-TP_PLAN_NAMES = {name: {"column": "colwise", "row": "rowwise"}[kind] for name, kind in LINEARS}
+# DTensor's names for the plan's linears: a weight split on its output rows is
+# column-parallel, one split on its input columns row-parallel (plan.PARAM_PLACEMENTS).
+TP_PLAN_NAMES = {name.removesuffix(".weight"): {0: "colwise", 1: "rowwise"}[dim]
+                 for name, placement in PARAM_PLACEMENTS.items() if name.endswith(".weight")
+                 for dim in placement}
 
 
 def dtensor_block(ref: Block, tp_mesh) -> Block:

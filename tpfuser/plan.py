@@ -22,7 +22,8 @@ import math
 from dataclasses import dataclass
 
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.tensors import TENSORS, TP_DIMS, Tensor, param_shapes, saved
+from tpfuser.reference import param_shapes
+from tpfuser.tensors import TENSORS, TP_DIMS, Tensor, saved
 
 # A placement maps a tensor dimension to the mesh axis that splits it.
 DP, TP = "dp", "tp"
@@ -116,11 +117,11 @@ class Collective:
 
 
 # The block's linears in order, by the dimension tensor parallelism splits
-# their weight [(qkv,) out, in] on: its output rows (column-parallel) or its
-# input columns (row-parallel). The collectives follow from them.
-LINEARS: list[tuple[str, str]] = [(t.name.removesuffix(".weight"), "row" if dim == len(t.dims) - 1 else "column")
-                                  for t in TENSORS if t.role == "param" and t.name.endswith(".weight")
-                                  for dim in PARAM_PLACEMENTS[t.name]]
+# their weight on: its output rows (column-parallel) or its input columns
+# (row-parallel). The collectives follow from them.
+LINEARS: list[tuple[str, str]] = [(name.removesuffix(".weight"), "column" if dim == 0 else "row")
+                                  for name, placement in PARAM_PLACEMENTS.items() if name.endswith(".weight")
+                                  for dim in placement]
 
 
 def collectives(cfg: BlockConfig, layout: Layout) -> list[Collective]:

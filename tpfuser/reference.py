@@ -1,9 +1,8 @@
 """The oracle: nanoGPT's Block in plain PyTorch (GELU tanh, as in Thunder's nanoGPT).
 
 Parameter names are nanoGPT's, so a nanoGPT `Block.state_dict()` loads as is.
-Their order is tensors.py's (`PARAM_NAMES`), the table the fusion's
-`define_tensor`s and `execute` inputs follow too; their shapes are
-nanoGPT's (`state_shapes`: c_attn [3e, e], which the fusion sees as [3, e, e]).
+Their order and shapes are tensors.py's (`PARAM_NAMES`, `param_shapes`), the
+table the fusion's `define_tensor`s and `execute` inputs follow too.
 
 Dropout is applied through explicit masks when they are given (`Masks`), so
 that the reference can replay exactly what a fusion drew.
@@ -27,9 +26,8 @@ PARAM_NAMES: tuple[str, ...] = tuple(p.name for p in PARAMS)   # nanoGPT's, in t
 LN_EPS = 1e-5
 
 
-def state_shapes(cfg: BlockConfig) -> dict[str, tuple[int, ...]]:
-    """The parameters' shapes in a nanoGPT Block's state_dict."""
-    return {p.name: p.state_shape(cfg) for p in PARAMS}
+def param_shapes(cfg: BlockConfig) -> dict[str, tuple[int, ...]]:
+    return {p.name: p.shape(cfg) for p in PARAMS}
 
 
 @dataclass

@@ -8,7 +8,7 @@ import math
 
 from tpfuser.config import BlockConfig, Layout
 from tpfuser.plan import backward_collectives, collectives, forward_flops, local_shape, placements, saved_bytes_per_rank
-from tpfuser.tensors import param_shapes
+from tpfuser.reference import param_shapes
 from tpfuser.tensors import tensors
 
 

@@ -17,10 +17,9 @@ import torch
 
 from tpfuser.config import BlockConfig, Layout
 from tpfuser.dropout import STREAMS, flash_seed, stream_key
-from tpfuser.fusion import BACKWARD_PARAMS, MASK_STARTS, build_backward, build_forward, rng_input_names, saved_names
+from tpfuser.fusion import MASK_STARTS, build_backward, build_forward, rng_input_names, saved_names
 from tpfuser.plan import PARAM_PLACEMENTS, local_shape, placements
-from tpfuser.reference import PARAM_NAMES, state_shapes
-from tpfuser.tensors import param_shapes
+from tpfuser.reference import PARAM_NAMES, param_shapes
 from tpfuser.shard import fusion_params, local_slice, rank_params, slice_starts
 from tpfuser.tensors import MASKS
 from tpfuser.weights import check_finite, check_nanogpt, check_tensor, from_hf_gpt2
@@ -109,7 +108,7 @@ class ShardedBlock:
         missing = [n for n in PARAM_NAMES if n not in state]
         if missing:
             raise ValueError(f"state_dict lacks {missing}")
-        shapes = state_shapes(self.cfg)
+        shapes = param_shapes(self.cfg)
         full = {}
         for name in PARAM_NAMES:
             check_tensor(name, state[name])
@@ -126,7 +125,7 @@ class ShardedBlock:
         return self.load(from_hf_gpt2(state, self.cfg, layer))
 
     def load_shards(self, shards: list[torch.Tensor]) -> "ShardedBlock":
-        """Take this rank's shards directly (PARAM_NAMES order, the fusion's shapes: c_attn [3, e/tp, e]),
+        """Take this rank's shards directly (PARAM_NAMES order, fusion's qkv order),
         checked as load() checks full weights."""
         if len(shards) != len(PARAM_NAMES):
             raise ValueError(f"expected {len(PARAM_NAMES)} parameter shards ({', '.join(PARAM_NAMES)}), got {len(shards)}")
@@ -240,9 +239,7 @@ class ShardedBlock:
         if len(saved) != len(saved_names(self.cfg)):
             raise ValueError(f"saved: expected {len(saved_names(self.cfg))} tensors "
                              f"({', '.join(saved_names(self.cfg))}), got {len(saved)}")
-        by_name = dict(zip(PARAM_NAMES, params))
-        return [grad_out.contiguous(), x.contiguous(), *(by_name[n] for n in BACKWARD_PARAMS),
-                *(t.contiguous() for t in saved)]
+        return [grad_out.contiguous(), x.contiguous(), *params, *(t.contiguous() for t in saved)]
 
 
 def sum_over_group(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
@@ -304,7 +301,7 @@ class _BlockFunction(torch.autograd.Function):
 
 class TPBlock(torch.nn.Module):
     """The sharded block as an nn.Module: its parameters are this rank's shards
-    (PARAM_NAMES order, the fusion's shapes: c_attn [3, e/tp, e]), so `loss.backward()` leaves
+    (PARAM_NAMES order, c_attn rows head by head), so `loss.backward()` leaves
     each rank its gradient shards. Parameter gradients are summed over dp after
     the backward fusion, over dp_group (as for a loss summed over the global batch).
 
@@ -345,14 +342,16 @@ class TPBlock(torch.nn.Module):
         return _BlockFunction.apply(runner, self.rng_seed, offset, x, *self.shards)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
-        """Global parameter gradients in nanoGPT's shapes (c_attn [3e, e]), for checking.
+        """Global parameter gradients in nanoGPT's layout (blocked c_attn), for checking.
         Gathers the other ranks' shards through torch.distributed when the world is larger than one."""
-        from tpfuser.shard import state_params
+        from tpfuser.shard import qkv_blocked
         out = {}
         for name, p in zip(PARAM_NAMES, self.shards):
             g = p.grad
             if self.layout.world_size > 1:
                 g = gather_output(g, self.layout, name)
+            if name.startswith("attn.c_attn"):
+                g = qkv_blocked(g, self.cfg.n_head)
             out[name] = g
-        return state_params(out, self.cfg)
+        return out
 

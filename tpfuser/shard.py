@@ -1,4 +1,4 @@
-"""Slicing tensors to ranks, and c_attn's shapes (tests/simulation.py
+"""Slicing tensors to ranks and the c_attn reordering (tests/simulation.py
 simulates the ranks in float64 with the very same slicing).
 
 A rank's slice of a tensor is `local_slice(t, placement, layout, rank)`: for
@@ -13,8 +13,7 @@ import torch
 
 from tpfuser.config import BlockConfig, Layout
 from tpfuser.plan import DP, TP, Placement, PARAM_PLACEMENTS, axis_coords, axis_sizes
-from tpfuser.reference import PARAM_NAMES, state_shapes
-from tpfuser.tensors import param_shapes
+from tpfuser.reference import PARAM_NAMES
 
 
 def local_slice(t: torch.Tensor, placement: Placement, layout: Layout, rank: int) -> torch.Tensor:
@@ -63,9 +62,8 @@ def gather(shards: list[torch.Tensor], placement: Placement, layout: Layout) -> 
 
 def qkv_heads_interleaved(t: torch.Tensor, n_head: int) -> torch.Tensor:
     """Reorder nanoGPT's c_attn rows from blocked [Q; K; V] ([3, h, d]) to head
-    by head ([h, 3, d]), so that an outer split of the rows over tp gives each
-    rank whole heads of q, k and v: the DTensor peer's order (peers.py; the
-    fusion takes [3, e, e] instead, fusion_params).
+    by head ([h, 3, d]), the order the fusion takes, so that an outer split of
+    the rows over tp gives each rank whole heads of q, k and v.
     Works on the weight [3e, e] and on the bias [3e]."""
     three_e = t.shape[0]
     if three_e % (3 * n_head):
@@ -84,16 +82,11 @@ def qkv_blocked(t: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def fusion_params(state: dict[str, torch.Tensor], cfg: BlockConfig) -> dict[str, torch.Tensor]:
-    """The global parameters (or their gradients) in the fusion's shapes, from a
-    nanoGPT-style state_dict: c_attn's [3e, e] rows seen as [3, e, e] (a view)."""
-    shapes = param_shapes(cfg)
-    return {name: state[name].view(shapes[name]) for name in PARAM_NAMES}
-
-
-def state_params(fparams: dict[str, torch.Tensor], cfg: BlockConfig) -> dict[str, torch.Tensor]:
-    """Inverse of fusion_params: nanoGPT's shapes (c_attn [3e, e])."""
-    shapes = state_shapes(cfg)
-    return {name: fparams[name].reshape(shapes[name]) for name in PARAM_NAMES}
+    """The global parameters in the fusion's convention, from a nanoGPT-style state_dict."""
+    out = {name: state[name] for name in PARAM_NAMES}
+    for name in ("attn.c_attn.weight", "attn.c_attn.bias"):
+        out[name] = qkv_heads_interleaved(out[name], cfg.n_head)
+    return out
 
 
 def rank_params(fparams: dict[str, torch.Tensor], layout: Layout, rank: int) -> list[torch.Tensor]:

@@ -5,10 +5,10 @@ tests read this table.
 
 Dimensions are named by what they are, so that the sharding reads off them:
   b batch, s sequence, e hidden (n_embd), h heads, d head dim, two a pair,
-  qkv the three parts of c_attn (q, k, v): its weight is [qkv, hd, e],
-  hd  heads x head dim (= e): q, k, v and attention's output, the row-parallel c_proj's input,
+  hd  heads x head dim (= e): attention's output, the row-parallel c_proj's input,
+  q3  heads x (q, k, v) x head dim (= 3e): c_attn's output rows, head by head,
   f   the MLP hidden (= 4e).
-Megatron-LM's tensor parallelism splits h, hd and f over tp (column-parallel
+Megatron-LM's tensor parallelism splits h, hd, q3 and f over tp (column-parallel
 outputs, row-parallel inputs) and b over dp; sequence parallelism splits s
 over tp too, in the tensors tensor parallelism would replicate (`seq_split`).
 """
@@ -20,12 +20,12 @@ from typing import Callable
 
 from tpfuser.config import BlockConfig
 
-TP_DIMS = ("h", "hd", "f")
+TP_DIMS = ("h", "hd", "q3", "f")
 
 
 def dim_sizes(cfg: BlockConfig) -> dict[str, int]:
     e = cfg.n_embd
-    return {"b": cfg.batch, "s": cfg.seq, "e": e, "h": cfg.n_head, "d": cfg.head_dim, "hd": e, "qkv": 3,
+    return {"b": cfg.batch, "s": cfg.seq, "e": e, "h": cfg.n_head, "d": cfg.head_dim, "hd": e, "q3": 3 * e,
             "f": 4 * e, "two": 2}
 
 
@@ -70,12 +70,6 @@ class Tensor:
         sizes = dim_sizes(cfg)
         return tuple(sizes[dim] for dim in self.dims)
 
-    def state_shape(self, cfg: BlockConfig) -> tuple[int, ...]:
-        """The shape in a nanoGPT state_dict: c_attn's q, k, v parts stacked into
-        its rows ([3e, e], [3e]); the block's own shape otherwise."""
-        shape = self.shape(cfg)
-        return (shape[0] * shape[1], *shape[2:]) if self.dims[0] == "qkv" else shape
-
     @property
     def saved(self) -> bool:
         """What the training forward returns for the backward (masks included)."""
@@ -84,12 +78,8 @@ class Tensor:
 
 def _params() -> list[Tensor]:
     vector = {"ln_1": ("e",), "ln_2": ("e",)}
-    # Weight [out, in] and bias [out], as nn.Linear. c_attn is three
-    # column-parallel linears (q, k, v) in one tensor: nanoGPT's [3e, e] seen
-    # as [3, e, e], so that splitting every part's rows over tp gives each rank
-    # whole heads of q, k and v, and q, k, v are never slices of one activation.
-    linears = {
-        "attn.c_attn": ("qkv", "hd", "e"),   # column-parallel
+    linears = {  # weight [out, in] and bias [out], as nn.Linear
+        "attn.c_attn": ("q3", "e"),   # column-parallel
         "attn.c_proj": ("e", "hd"),   # row-parallel: its bias is not split
         "mlp.c_fc": ("f", "e"),       # column-parallel
         "mlp.c_proj": ("e", "f"),     # row-parallel
@@ -100,7 +90,7 @@ def _params() -> list[Tensor]:
             out += [Tensor(f"{module}.weight", "param", vector[module]), Tensor(f"{module}.bias", "param", vector[module])]
         else:
             out += [Tensor(f"{module}.weight", "param", linears[module]),
-                    Tensor(f"{module}.bias", "param", linears[module][:-1])]
+                    Tensor(f"{module}.bias", "param", linears[module][:1])]
     return out
 
 
@@ -113,9 +103,9 @@ TENSORS: tuple[Tensor, ...] = (
     # What the training forward saves for backward, in the order the backward takes them.
     Tensor("ln_1.mean", "saved", ("b", "s"), "f32", seq_split=True),
     Tensor("ln_1.rstd", "saved", ("b", "s"), "f32", seq_split=True),
-    Tensor("q", "saved", ("b", "s", "hd")),   # c_attn's three outputs, as its linears write them
-    Tensor("k", "saved", ("b", "s", "hd")),
-    Tensor("v", "saved", ("b", "s", "hd")),
+    Tensor("q", "saved", ("b", "h", "s", "d")),
+    Tensor("k", "saved", ("b", "h", "s", "d")),
+    Tensor("v", "saved", ("b", "h", "s", "d")),
     Tensor("sdpa_out", "saved", ("b", "h", "s", "d"), when=_bf16),
     Tensor("sdpa_lse", "saved", ("b", "h", "s"), "f32", when=_bf16),
     Tensor("sdpa_seed", "saved", ("two",), "u64", when=_bf16),     # flash attention's philox state, per rank
@@ -140,18 +130,13 @@ TENSORS: tuple[Tensor, ...] = (
     Tensor("g.mlp.c_proj.out", "intermediate", ("b", "s", "e")),
     Tensor("g.attn.c_proj.out", "intermediate", ("b", "s", "e")),
     Tensor("ln_2.out", "intermediate", ("b", "s", "e")),
-    Tensor("ln_1.out", "intermediate", ("b", "s", "e")),   # also the forward's: c_attn's three linears read it whole
+    Tensor("ln_1.out", "intermediate", ("b", "s", "e")),
     Tensor("g.ln_2.out", "intermediate", ("b", "s", "e"), "f32", seq_split=True),
     Tensor("g.ln_1.out", "intermediate", ("b", "s", "e"), "f32", seq_split=True),
 )
 
 BY_NAME: dict[str, Tensor] = {t.name: t for t in TENSORS}
 MASKS: dict[str, Tensor] = {t.stream: t for t in TENSORS if t.role == "mask"}   # stream -> mask
-
-
-def param_shapes(cfg: BlockConfig) -> dict[str, tuple[int, ...]]:
-    """The parameters' shapes as the fusions take them (c_attn's weight [3, e, e])."""
-    return {p.name: p.shape(cfg) for p in PARAMS}
 
 
 def tensors(cfg: BlockConfig, role: str | None = None) -> list[Tensor]:

@@ -28,7 +28,7 @@ import re
 import torch
 
 from tpfuser.config import BlockConfig
-from tpfuser.reference import PARAM_NAMES, state_shapes
+from tpfuser.reference import PARAM_NAMES, param_shapes
 
 LINEAR_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _LAYER_KEY = re.compile(r"^(?:transformer\.)?h\.(\d+)\.")
@@ -57,7 +57,7 @@ def check_finite(name: str, t: torch.Tensor) -> None:
 
 def _transposed(state: dict, cfg: BlockConfig) -> list[str]:
     """The linear weights whose shape is the transpose of nanoGPT's (and not nanoGPT's itself)."""
-    shapes = state_shapes(cfg)
+    shapes = param_shapes(cfg)
     return [n for n in LINEAR_WEIGHTS if n in state and isinstance(state[n], torch.Tensor)
             and tuple(state[n].shape) == shapes[n][::-1] != shapes[n]]
 
@@ -106,7 +106,7 @@ def from_hf_gpt2(state: dict, cfg: BlockConfig, layer: int | None = None) -> dic
     missing = [n for n in PARAM_NAMES if n not in block]
     if missing:
         raise ValueError(f"state_dict lacks {missing}")
-    shapes = state_shapes(cfg)
+    shapes = param_shapes(cfg)
     nanogpt_like = [n for n in LINEAR_WEIGHTS if isinstance(block[n], torch.Tensor)
                     and tuple(block[n].shape) == shapes[n] != shapes[n][::-1]]
     if nanogpt_like:
