@@ -53,6 +53,7 @@ class ForwardFusion:
     inputs: dict = field(default_factory=dict)    # name -> TensorView (x, params)
     outputs: dict = field(default_factory=dict)   # name -> TensorView, in output order
     has_rng: bool = False   # takes the scalars rng_input_names(cfg) after the tensors
+    device_keys: dict = field(default_factory=dict)   # key.<stream> -> 0-d TensorView (keys_on_device)
 
 
 # The LayerNorm helpers work on rows of hidden vectors: `bse` is their shape [b, s, e].
@@ -98,8 +99,16 @@ def rng_input_names(cfg: BlockConfig) -> list[str]:
     return [f"key.{stream}" for stream in streams] + starts
 
 
-def _rng_scalars(fd, cfg):
-    return {name: fd.define_scalar(dtype=DataType.Int) for name in rng_input_names(cfg)} or None
+def _rng_scalars(fd, cfg, keys_on_device=False):
+    """The dropout inputs. With keys_on_device the stream keys are 0-d int64
+    CUDA tensors, read by the kernels at run time, so that a CUDA graph
+    replays new masks after new keys are written into them (graphs.py); the
+    slice starts, fixed for a rank, stay host scalars."""
+    def define(name):
+        if keys_on_device and name.startswith("key."):
+            return fd.define_tensor(shape=[], contiguity=True, dtype=DataType.Int)
+        return fd.define_scalar(dtype=DataType.Int)
+    return {name: define(name) for name in rng_input_names(cfg)} or None
 
 
 def _int_ops(fd) -> SimpleNamespace:
@@ -188,11 +197,13 @@ def _split_heads(fd, qkv, cfg):
     return tuple(part(i) for i in range(3))
 
 
-def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, train: bool = False) -> ForwardFusion:
+def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, train: bool = False,
+                   keys_on_device: bool = False) -> ForwardFusion:
     """Define the block forward on global shapes inside `fd` (not yet sharded).
 
     Inputs: x [b, s, e], then the parameters in PARAM_NAMES order, then, when
-    cfg.dropout > 0, the dropout scalars (rng_input_names). Outputs: out [b, s, e];
+    cfg.dropout > 0, the dropout scalars (rng_input_names; the keys 0-d int64
+    CUDA tensors with keys_on_device). Outputs: out [b, s, e];
     with check=True also the keep-masks of every dropout drawn in the fusion;
     with train=True also what the backward needs (saved_names).
     """
@@ -205,7 +216,9 @@ def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, 
     for name in PARAM_NAMES:
         ff.inputs[name] = fd.define_tensor(shape=list(shapes[name]), contiguity=True, dtype=dtype)
     w = ff.inputs
-    rng = _rng_scalars(fd, cfg)
+    rng = _rng_scalars(fd, cfg, keys_on_device)
+    if keys_on_device:
+        ff.device_keys = {name: tv for name, tv in (rng or {}).items() if name.startswith("key.")}
     masks, saved = {}, {}
 
     x = fd.ops.cast(w["x"], DataType.Float)
@@ -283,6 +296,8 @@ def schedule(ff, layout: Layout, row: int | None = None) -> None:
     where = placements(layout)
     flat = row is not None
     named = [*ff.inputs.items(), *ff.outputs.items(), *getattr(ff, "intermediates", {}).items()]
+    for tv in getattr(ff, "device_keys", {}).values():   # replicated: every rank reads the same keys
+        tv.set_device_mesh(mesh)
     for name, tv in named:
         tv.set_device_mesh(mesh)
         placement = where[name]
@@ -292,10 +307,10 @@ def schedule(ff, layout: Layout, row: int | None = None) -> None:
 
 
 def build_forward(cfg: BlockConfig, layout: Layout | None = None, check: bool = False,
-                  train: bool = False) -> ForwardFusion:
+                  train: bool = False, keys_on_device: bool = False) -> ForwardFusion:
     """Define the forward and, when a layout is given, shard it on its mesh."""
     with FusionDefinition() as fd:
-        ff = define_forward(fd, cfg, check, train)
+        ff = define_forward(fd, cfg, check, train, keys_on_device)
         if layout is not None:
             layout.check(cfg)
             schedule(ff, layout)

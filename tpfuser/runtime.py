@@ -60,6 +60,11 @@ def seeded_cuda_generator(device: torch.device, seed: int):
         gen.set_state(state)
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def check_world(layout: Layout, world_size: int, local_gpus: Optional[int] = None, local_ranks: Optional[int] = None) -> None:
     """Fail before any GPU work when the launch cannot host the mesh."""
     if world_size != layout.world_size:
@@ -75,13 +80,16 @@ class ShardedBlock:
 
     def __init__(self, cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, check: bool = False,
                  device: Optional[torch.device] = None, mesh: bool = True,
-                 dp_group=None, check_finite: bool = False):
+                 dp_group=None, check_finite: bool = False, keys_on_device: bool = False):
         """mesh=False (1x1 only) builds the fusion without a device mesh: the
         same math, run by nvFuser's single-device executor (see NOTES.md).
         dp_group: the torch.distributed group of this rank's dp replicas (launch.dp_group),
         over which backward sums the parameter gradients; needed when dp > 1.
         check_finite: refuse an input (x, grad_out) holding NaN or inf; off by
         default, since reading the count back waits for the GPU on every call.
+        keys_on_device: the fusions read the dropout keys from a small CUDA
+        tensor this block writes before each call, not from host scalars, so
+        that a captured CUDA graph draws new masks on each replay (graphs.py).
         On its own (no launcher) the process describes a world of one to nvFuser
         first (world.describe_single_process): before its first fusion runs."""
         describe_single_process()
@@ -92,7 +100,9 @@ class ShardedBlock:
         self.dp_rank, self.tp_rank = layout.rank_coords(rank)
         self.device = device or torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
         self._mesh_layout = layout if mesh else None
-        self.fusion = build_forward(cfg, self._mesh_layout, check=check)
+        self.keys_on_device = keys_on_device and cfg.dropout > 0
+        self._keys = None   # the keys' CUDA tensor (keys_on_device), made at first use
+        self.fusion = build_forward(cfg, self._mesh_layout, check=check, keys_on_device=self.keys_on_device)
         self.output_names = list(self.fusion.outputs)
         self._params: Optional[list[torch.Tensor]] = None
         self._train_fusion = self._backward_fusion = None   # built on first use
@@ -171,11 +181,23 @@ class ShardedBlock:
             check_finite(name, t)
         self._validate(name, t, self.input_shape())
 
-    def _rng_inputs(self, rng_seed, rng_offset) -> list[int]:
+    def _rng_inputs(self, rng_seed, rng_offset, write_keys: bool = True) -> list:
+        """The fusion's dropout inputs. With keys_on_device the keys are 0-d views
+        of this block's key tensor, written now (write_keys=False: as they are,
+        for a CUDA graph's capture, which must not copy from the host)."""
         if self.cfg.dropout == 0:
             return []
+        names = rng_input_names(self.cfg)
         values = dropout_scalars(self.cfg, self.layout, self.rank, rng_seed, rng_offset)
-        return [values[name] for name in rng_input_names(self.cfg)]
+        if not self.keys_on_device:
+            return [values[name] for name in names]
+        keys = [name for name in names if name.startswith("key.")]
+        if self._keys is None:
+            self._keys = torch.zeros(len(keys), dtype=torch.int64, device=self.device)
+        if write_keys:   # keys are below 2**62 (dropout.stream_key): int64 holds them
+            self._keys.copy_(torch.tensor([values[name] for name in keys], dtype=torch.int64))
+        views = {name: self._keys[i] for i, name in enumerate(keys)}
+        return [views.get(name, values[name]) for name in names]
 
     def _attention_stream(self, rng_seed: int, rng_offset: int):
         """Around a forward fusion: flash attention's dropout (bf16) draws this
@@ -197,9 +219,20 @@ class ShardedBlock:
         ('out', and with check=True the keep-masks of the dropouts)."""
         params = self._checked_params(None)
         self._validate_input("x", x)
-        with self._attention_stream(rng_seed, rng_offset):
-            outs = self.fusion.fd.execute([x.contiguous(), *params, *self._rng_inputs(rng_seed, rng_offset)])
+        outs = self._execute_forward(self.fusion, x, params, rng_seed, rng_offset)
         return dict(zip(self.output_names, outs))
+
+    def _execute_forward(self, fusion, x, params, rng_seed, rng_offset) -> list[torch.Tensor]:
+        """Run a forward fusion. Under CUDA-graph capture the keys are not
+        written and flash attention's generator is not seeded: the caller does
+        both before each replay, which reads them then (graphs.py)."""
+        if capturing():
+            if self.cfg.dropout > 0 and not self.keys_on_device:
+                raise ValueError("capturing a CUDA graph with dropout > 0 needs ShardedBlock(keys_on_device=True): "
+                                 "host-scalar keys would freeze the masks at capture (use tpfuser.graphs)")
+            return fusion.fd.execute([x.contiguous(), *params, *self._rng_inputs(rng_seed, rng_offset, write_keys=False)])
+        with self._attention_stream(rng_seed, rng_offset):
+            return fusion.fd.execute([x.contiguous(), *params, *self._rng_inputs(rng_seed, rng_offset)])
 
     # -- training ---------------------------------------------------------
     def forward_train(self, x: torch.Tensor, rng_seed: int = 0, rng_offset: int = 0, params=None):
@@ -207,18 +240,20 @@ class ShardedBlock:
         params = self._checked_params(params)
         self._validate_input("x", x)
         if self._train_fusion is None:
-            self._train_fusion = build_forward(self.cfg, self._mesh_layout, check=self.check, train=True)
-        with self._attention_stream(rng_seed, rng_offset):
-            outs = self._train_fusion.fd.execute([x.contiguous(), *params, *self._rng_inputs(rng_seed, rng_offset)])
+            self._train_fusion = build_forward(self.cfg, self._mesh_layout, check=self.check, train=True,
+                                               keys_on_device=self.keys_on_device)
+        outs = self._execute_forward(self._train_fusion, x, params, rng_seed, rng_offset)
         named = dict(zip(self._train_fusion.outputs, outs))
         saved = [named.pop(name) for name in saved_names(self.cfg)]
         return named, saved
 
-    def backward(self, grad_out: torch.Tensor, x: torch.Tensor, saved: list[torch.Tensor], params=None):
+    def backward(self, grad_out: torch.Tensor, x: torch.Tensor, saved: list[torch.Tensor], params=None,
+                 sum_over_dp: bool = True):
         """(grad of x, [grad of each parameter shard in PARAM_NAMES order]) for this rank,
         from forward_train's saved list (its dropout masks included). The parameter
-        gradients are the whole batch's: summed over dp after the fusion."""
-        if self.layout.dp > 1 and self.dp_group is None:
+        gradients are the whole batch's: summed over dp after the fusion
+        (sum_over_dp=False: this rank's rows only, the caller sums)."""
+        if sum_over_dp and self.layout.dp > 1 and self.dp_group is None:
             raise ValueError(f"dp={self.layout.dp}: the parameter gradients are summed over dp after the backward "
                              f"fusion; pass ShardedBlock(dp_group=launch.dp_group(layout, rank))")
         inputs = self.backward_inputs(grad_out, x, saved, params)
@@ -226,7 +261,7 @@ class ShardedBlock:
             self._backward_fusion = build_backward(self.cfg, self._mesh_layout, dp_rank=self.dp_rank)
         named = dict(zip(self._backward_fusion.outputs, self._backward_fusion.execute(inputs)))
         grads = [named[f"grad.{name}"] for name in PARAM_NAMES]
-        return named["grad_x"], self._sum_over_dp(grads)
+        return named["grad_x"], self._sum_over_dp(grads) if sum_over_dp else grads
 
     def _sum_over_dp(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         return grads if self.layout.dp == 1 else sum_over_group(grads, self.dp_group)

@@ -1,0 +1,93 @@
+"""CUDA graphs on the 1x1 mesh (marked gpu: skipped where no CUDA device exists).
+A replay must equal a called block with the same (seed, offset) bit for bit,
+and two offsets must draw different masks."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+from tpfuser.config import preset  # noqa: E402
+from tpfuser.reference import make_block, make_input  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _full_precision(no_tf32):
+    pass
+
+
+def blocks(cfg):
+    """A called block with host keys, one with device keys, and the graphed forward of a third."""
+    from tpfuser.graphs import GraphedForward
+    from tpfuser.runtime import ShardedBlock
+    state = make_block(cfg).state_dict()
+    host = ShardedBlock(cfg, check=True).load(state)
+    device = ShardedBlock(cfg, check=True, keys_on_device=True).load(state)
+    graphed = GraphedForward(ShardedBlock(cfg, check=True, keys_on_device=True).load(state))
+    return host, device, graphed
+
+
+def cloned(outputs):
+    return {k: v.clone() for k, v in outputs.items()}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["p0", "p0.1"])
+def test_forward_replay_equals_the_called_block(dtype, dropout, record):
+    cfg = preset("tiny", dtype=dtype, dropout=dropout)
+    host, device, graphed = blocks(cfg)
+    x = host.shard_input(make_input(cfg))
+    runs = {}
+    for offset in (5, 6, 5):   # 5 again: the replay after another step replays 5's masks
+        called = cloned(host(x, 11, offset))
+        assert all(torch.equal(called[k], v) for k, v in device(x, 11, offset).items())   # device keys = host keys
+        replayed = cloned(graphed(x, 11, offset))
+        assert called.keys() == replayed.keys()
+        for name in called:
+            assert torch.equal(called[name], replayed[name]), (offset, name)
+        runs.setdefault(offset, replayed)
+    if dropout > 0:   # the next step draws new masks, and so a new output
+        for name in runs[5]:
+            assert not torch.equal(runs[5][name], runs[6][name]), name
+    record(dtype=dtype, dropout=dropout, pool_bytes=graphed.pool_bytes)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_train_step_replay_equals_the_called_block(dtype, record):
+    from tpfuser.graphs import GraphedTrainStep
+    from tpfuser.runtime import ShardedBlock
+    cfg = preset("tiny", dtype=dtype)   # dropout 0.1
+    state = make_block(cfg).state_dict()
+    called = ShardedBlock(cfg).load(state)
+    step = GraphedTrainStep(ShardedBlock(cfg, keys_on_device=True).load(state))
+    x = called.shard_input(make_input(cfg))
+    grad_out = torch.randn_like(x)
+    results = {}
+    for offset in (3, 4):
+        named, saved = called.forward_train(x, 2, offset)
+        grad_x, grads = called.backward(grad_out, x, saved)
+        out_r, grad_x_r, grads_r = step(x, grad_out, 2, offset)
+        assert torch.equal(named["out"], out_r) and torch.equal(grad_x, grad_x_r), offset
+        assert all(torch.equal(a, b) for a, b in zip(grads, grads_r)), offset
+        results[offset] = out_r.clone()
+    assert not torch.equal(results[3], results[4])
+    record(dtype=dtype, pool_bytes=step.pool_bytes)
+
+
+def test_graph_sees_parameters_updated_in_place_and_refuses_replaced_ones():
+    from tpfuser.graphs import GraphedForward
+    from tpfuser.runtime import ShardedBlock
+    cfg = preset("tiny", dtype="fp32", dropout=0.0)
+    state = make_block(cfg).state_dict()
+    block = ShardedBlock(cfg, keys_on_device=True).load(state)
+    graphed = GraphedForward(block)
+    x = block.shard_input(make_input(cfg))
+    before = graphed(x)["out"].clone()
+    with torch.no_grad():
+        for p in block._params:
+            p.mul_(0.5)
+    after = graphed(x)["out"].clone()
+    assert not torch.equal(before, after)
+    assert torch.equal(after, block(x)["out"])
+    block.load(state)
+    with pytest.raises(ValueError, match="parameters were replaced since the graph was captured"):
+        graphed(x)

@@ -1,0 +1,62 @@
+"""CUDA-graph mode without a GPU: the device-key fusions, the keys the block
+writes, and the refusals (tests/test_gpu_graphs.py replays on a GPU)."""
+import pytest
+import torch
+
+from tpfuser.config import Layout, preset
+from tpfuser.fusion import build_forward, fusion_text, rng_input_names
+from tpfuser.runtime import ShardedBlock, dropout_scalars
+
+
+@pytest.mark.parametrize("dtype, keys", [("fp32", 3), ("bf16", 2)])
+def test_device_keys_are_replicated_0d_int64_inputs(dtype, keys):
+    cfg = preset("tiny", dtype=dtype)
+    ff = build_forward(cfg, Layout(2, 2), train=True, keys_on_device=True)
+    assert list(ff.device_keys) == [n for n in rng_input_names(cfg) if n.startswith("key.")] and len(ff.device_keys) == keys
+    for tv in ff.device_keys.values():
+        assert "int64_t[]" in str(tv) and "DeviceMesh{{0 1}{2 3}}" in str(tv)   # 0-d, on the mesh, not split
+    # the same hash as the host-key fusion (its xors print as ^): only the keys' kind of input differs
+    host = fusion_text(build_forward(cfg, Layout(2, 2), train=True))
+    assert fusion_text(ff).count(" ^ ") == host.count(" ^ ") == 9 * keys
+
+
+def test_block_writes_its_keys_and_passes_views():
+    cfg = preset("tiny", dtype="fp32")
+    block = ShardedBlock(cfg, Layout(1, 2), rank=1, device=torch.device("cpu"), keys_on_device=True)
+    inputs = block._rng_inputs(7, 3)
+    names = rng_input_names(cfg)
+    values = dropout_scalars(cfg, Layout(1, 2), 1, 7, 3)
+    for name, got in zip(names, inputs):
+        if name.startswith("key."):
+            assert isinstance(got, torch.Tensor) and got.dim() == 0 and got.item() == values[name]
+        else:
+            assert got == values[name]   # the rank's slice starts stay host scalars
+    kept = [t for t in inputs if isinstance(t, torch.Tensor)]
+    block._rng_inputs(7, 4, write_keys=False)   # as under capture: the tensor is left as it was
+    assert [t.item() for t in kept] == [values[n] for n in names if n.startswith("key.")]
+    block._rng_inputs(7, 4)
+    assert [t.item() for t in kept] != [values[n] for n in names if n.startswith("key.")]   # the same views, new keys
+
+
+def test_no_device_keys_without_dropout():
+    block = ShardedBlock(preset("tiny", dropout=0.0), device=torch.device("cpu"), keys_on_device=True)
+    assert not block.keys_on_device and block._rng_inputs(1, 2) == []
+
+
+def test_capture_with_host_keys_and_dropout_is_refused(monkeypatch):
+    import tpfuser.runtime as runtime
+    block = ShardedBlock(preset("tiny"), device=torch.device("cpu"))
+    monkeypatch.setattr(runtime, "capturing", lambda: True)
+    with pytest.raises(ValueError, match=r"needs ShardedBlock\(keys_on_device=True\)"):
+        block._execute_forward(block.fusion, torch.zeros(1), [], 0, 0)
+
+
+def test_graphs_refuse_without_cuda_or_device_keys(monkeypatch):
+    from tpfuser.graphs import GraphedForward
+    block = ShardedBlock(preset("tiny"), device=torch.device("cpu"))
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device"):
+            GraphedForward(block)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match=r"dropout=0.1: a graph needs ShardedBlock\(\.\.\., keys_on_device=True\)"):
+        GraphedForward(block)

@@ -1,0 +1,143 @@
+"""CUDA graphs: one rank's forward, or its whole training step, captured once
+and replayed.
+
+    block = ShardedBlock(cfg, layout, rank, keys_on_device=True)
+    block.load(state)
+    forward = GraphedForward(block)
+    out = forward(x, rng_seed, rng_offset)["out"]        # overwritten by the next call
+    step = GraphedTrainStep(block)
+    out, grad_x, grads = step(x, grad_out, rng_seed, rng_offset)
+
+Called, nvFuser's multi-device path launches each segment and posts each
+collective from the host, 0.3-0.5 ms a call on nanogpt (NOTES.md); a replay
+launches the captured work at once, the NCCL collectives included. What
+changes from call to call is written into device memory before each replay:
+the inputs (copied into the static ones), the dropout keys (the block writes
+them into the tensor its fusions read: keys_on_device) and flash attention's
+seed (the CUDA generator is registered with the graph and read at replay; the
+block seeds it per rank and call, as a called block does). So a replay is
+meant to equal a called block with the same (seed, offset) bit for bit, and
+consecutive steps draw new masks; tests/test_gpu_graphs.py checks both.
+
+The first call captures, after two warm-up calls on a side stream (nvFuser
+compiles its kernels and NCCL makes its communicators there: neither may
+happen under capture). A graph reads the tensors it captured: parameters
+updated in place (an optimizer's step) are seen, parameters replaced
+(load() again) are refused. The dp sum of the gradients is captured when the
+dp group is NCCL's; a gloo group sums through the host, after the replay.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tpfuser.runtime import ShardedBlock, sum_over_group
+
+
+def _check_block(block: ShardedBlock) -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError("CUDA graphs need a CUDA device; none is visible")
+    if block.cfg.dropout > 0 and not block.keys_on_device:
+        raise ValueError(f"dropout={block.cfg.dropout}: a graph needs ShardedBlock(..., keys_on_device=True), "
+                         "or its masks would be frozen at capture")
+
+
+def _warm_then_capture(body, graph: torch.cuda.CUDAGraph):
+    """Run body twice on a side stream, then capture it into graph; returns what the capture returned."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        return body()
+
+
+class _Graphed:
+    def __init__(self, block: ShardedBlock):
+        _check_block(block)
+        self.block = block
+        self.graph = None
+        self._param_ptrs = None
+        self.pool_bytes = 0   # what the graph's memory pool reserved at capture
+
+    def _params_unchanged(self) -> None:
+        params = self.block._checked_params(None)
+        if [p.data_ptr() for p in params] != self._param_ptrs:
+            raise ValueError("the block's parameters were replaced since the graph was captured "
+                             "(load() again?): update them in place, or make a new graphed block")
+
+    def _capture(self, body) -> object:
+        self._param_ptrs = [p.data_ptr() for p in self.block._checked_params(None)]
+        before = torch.cuda.memory_reserved(self.block.device)
+        self.graph = torch.cuda.CUDAGraph()
+        held = _warm_then_capture(body, self.graph)
+        self.pool_bytes = torch.cuda.memory_reserved(self.block.device) - before
+        return held
+
+    def _replay(self, rng_seed: int, rng_offset: int) -> None:
+        self._params_unchanged()
+        block = self.block
+        block._rng_inputs(rng_seed, rng_offset)            # writes this call's keys (keys_on_device)
+        with block._attention_stream(rng_seed, rng_offset):   # flash attention's seed, read by the replay
+            self.graph.replay()
+
+
+class GraphedForward(_Graphed):
+    """A ShardedBlock's forward (its outputs by name), from a CUDA graph."""
+
+    def __init__(self, block: ShardedBlock):
+        super().__init__(block)
+        self.x = torch.zeros(block.input_shape(), dtype=block.cfg.torch_dtype, device=block.device)
+        self.outputs: dict[str, torch.Tensor] = {}
+
+    def __call__(self, x: torch.Tensor, rng_seed: int = 0, rng_offset: int = 0) -> dict[str, torch.Tensor]:
+        """This rank's outputs, in static buffers the next call overwrites (clone to keep them)."""
+        self.block._validate_input("x", x)
+        self.x.copy_(x)
+        if self.graph is None:
+            self.block._rng_inputs(rng_seed, rng_offset)
+            self.outputs = self._capture(lambda: self.block(self.x, rng_seed, rng_offset))
+        self._replay(rng_seed, rng_offset)
+        return self.outputs
+
+
+class GraphedTrainStep(_Graphed):
+    """A ShardedBlock's training step, forward_train then backward, from one CUDA graph:
+    (out, grad of x, [grad of each parameter shard in PARAM_NAMES order], summed over dp)."""
+
+    def __init__(self, block: ShardedBlock):
+        super().__init__(block)
+        shape, dtype = block.input_shape(), block.cfg.torch_dtype
+        self.x = torch.zeros(shape, dtype=dtype, device=block.device)
+        self.grad_out = torch.zeros(shape, dtype=dtype, device=block.device)
+        self.dp_sum_captured = self.dp_sum_after = False
+        if block.layout.dp > 1:
+            if block.dp_group is None:
+                raise ValueError(f"dp={block.layout.dp}: pass ShardedBlock(dp_group=launch.dp_group(layout, rank))")
+            import torch.distributed as dist
+            self.dp_sum_captured = dist.get_backend(block.dp_group) == "nccl"
+            self.dp_sum_after = not self.dp_sum_captured
+        self.held = None
+
+    def _body(self, rng_seed, rng_offset):
+        named, saved = self.block.forward_train(self.x, rng_seed, rng_offset)
+        grad_x, grads = self.block.backward(self.grad_out, self.x, saved, sum_over_dp=self.dp_sum_captured)
+        return named["out"], grad_x, grads
+
+    def __call__(self, x: torch.Tensor, grad_out: torch.Tensor, rng_seed: int = 0, rng_offset: int = 0):
+        """(out, grad_x, grads) in static buffers the next call overwrites (clone to keep them);
+        the gradients are new tensors when a gloo group sums them after the replay."""
+        self.block._validate_input("x", x)
+        self.block._validate_input("grad_out", grad_out)
+        self.x.copy_(x)
+        self.grad_out.copy_(grad_out)
+        if self.graph is None:
+            self.block._rng_inputs(rng_seed, rng_offset)
+            self.held = self._capture(lambda: self._body(rng_seed, rng_offset))
+        self._replay(rng_seed, rng_offset)
+        out, grad_x, grads = self.held
+        if self.dp_sum_after:
+            grads = sum_over_group(grads, self.block.dp_group)
+        return out, grad_x, grads
