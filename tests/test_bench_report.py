@@ -22,6 +22,24 @@ def test_committed_reports_follow_the_schema(path):
     assert format_table(rep).count("\n") == len(rep["results"]) + 1 + extra
 
 
+def test_ratios_to_eager_and_the_fastest_peer_and_the_graph_columns():
+    from tpfuser.benchreport import add_ratios
+    rep = copy.deepcopy(json.load(open(REPORTS[0])))
+    rows = {name: {**r, "peak_mib_above_baseline": 1.0, "saved_activation_mib": 2.0} for name, r in rep["results"].items()}
+    rows["nvfuser-graph"] = {**rows["eager"], "median_ms": rows["eager"]["median_ms"] / 4, "graph_pool_mib": 3.0}
+    del rows["nvfuser-graph"]["saved_activation_mib"]
+    rows["eager-graph"] = {**rows["eager"], "median_ms": rows["eager"]["median_ms"] / 2}
+    best = add_ratios(rows)
+    assert best == "eager-graph"   # the fastest that is not nvFuser's
+    assert rows["nvfuser-graph"]["ratio_to_best_peer"] == 0.5 and rows["eager"]["ratio_to_eager"] == 1.0
+    rep["results"], rep["best_peer"] = rows, best
+    table = format_table(rep)
+    assert "vs peer: to eager-graph, the fastest peer" in table and "pool MiB" in table
+    graph_line = next(line for line in table.splitlines() if line.startswith("nvfuser-graph "))
+    assert graph_line.split()[-3:] == ["1.0", "nan", "3.0"]   # peak, saved (none: no autograd), pool
+    assert add_ratios({"nvfuser": {"median_ms": 1.0}}) is None
+
+
 def test_schema_errors_name_the_key():
     rep = json.load(open(REPORTS[0]))
     broken = copy.deepcopy(rep)

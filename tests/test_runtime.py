@@ -149,9 +149,11 @@ def test_bench_refuses_what_this_machine_cannot_run(capsys):
 
 def test_bench_default_implementations_follow_the_mesh():
     from tpfuser.bench import default_impls
-    assert default_impls(Layout(1, 1)) == ("nvfuser", "nvfuser-nomesh", "eager", "compile")
-    assert default_impls(Layout(2, 1)) == ("nvfuser", "eager", "compile")
-    assert default_impls(Layout(1, 8)) == ("nvfuser", "eager", "compile", "dtensor")
+    graphs = ("nvfuser", "nvfuser-graph", "eager", "eager-graph", "compile", "compile-reduce-overhead")
+    assert default_impls(Layout(1, 1)) == ("nvfuser", "nvfuser-graph", "nvfuser-nomesh", "eager", "eager-graph",
+                                           "compile", "compile-reduce-overhead")
+    assert default_impls(Layout(2, 1)) == graphs
+    assert default_impls(Layout(1, 8)) == graphs + ("dtensor",)
 
 
 def test_comm_floor_by_hand():

@@ -12,6 +12,12 @@ eager and compile run the whole block on the rank's b/dp rows (no tensor
 parallelism); dtensor is the reference block parallelized by PyTorch over tp
 (tpfuser/peers.py). In a training step with dp > 1 every implementation sums
 its parameter gradients over dp (runtime.sum_over_group, as DDP would).
+
+Each is also timed replayed from a CUDA graph: nvfuser-graph (tpfuser.graphs,
+new masks each replay), eager-graph (eager captured by hand) and
+compile-reduce-overhead (torch.compile's CUDA-graph mode); the table gives each
+implementation's ratio to eager and to the fastest peer (benchreport.add_ratios),
+and in a training step the memory a graph's pool holds.
 """
 
 from __future__ import annotations
@@ -25,22 +31,29 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tpfuser.benchreport import format_table, validate_report
+from tpfuser.benchreport import add_ratios, format_table, validate_report
 from tpfuser.commlog import error_line
 from tpfuser.config import Layout, preset
 from tpfuser.plan import backward_collectives, collectives, forward_flops, placements
 from tpfuser.reference import make_block, make_input, sdpa_forward
 from tpfuser.shard import local_slice
 
-IMPLS = ("nvfuser", "nvfuser-nomesh", "eager", "compile", "dtensor")
+IMPLS = ("nvfuser", "nvfuser-graph", "nvfuser-nomesh", "eager", "eager-graph", "compile",
+         "compile-reduce-overhead", "dtensor")
+# Each replayed from a CUDA graph: tpfuser.graphs, eager captured by hand, and
+# torch.compile's own CUDA-graph mode.
+GRAPHED = ("nvfuser-graph", "eager-graph", "compile-reduce-overhead")
 
 
 def default_impls(layout: Layout) -> tuple[str, ...]:
-    """What a user would compare on this mesh: the fusion without a mesh on one
-    GPU; DTensor's tensor parallelism where tp > 1."""
+    """What a user would compare on this mesh: each called and replayed from a
+    CUDA graph; the fusion without a mesh on one GPU; DTensor's tensor
+    parallelism where tp > 1."""
     if layout.world_size == 1:
-        return ("nvfuser", "nvfuser-nomesh", "eager", "compile")
-    return ("nvfuser", "eager", "compile") + (("dtensor",) if layout.tp > 1 else ())
+        return ("nvfuser", "nvfuser-graph", "nvfuser-nomesh", "eager", "eager-graph", "compile",
+                "compile-reduce-overhead")
+    return ("nvfuser", "nvfuser-graph", "eager", "eager-graph", "compile", "compile-reduce-overhead") + \
+        (("dtensor",) if layout.tp > 1 else ())
 
 
 def check_impls(impls, layout: Layout) -> None:
@@ -227,9 +240,7 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
         med = statistics.median(ts)
         rows[name] = {"median_ms": med, "min_ms": min(ts), "max_ms": max(ts), "runs": len(ts),
                       "tflops": flops / (med * 1e-3) / 1e12, "fraction_of_matmul_rate": floor_ms / med}
-    if "eager" in rows:
-        for r in rows.values():
-            r["ratio_to_eager"] = r["median_ms"] / rows["eager"]["median_ms"]
+    best_peer = add_ratios(rows)
     for name in rows:   # (an implementation that failed on another rank has no row)
         rows[name].update(memory.get(name, {}))
         if name in kernels:
@@ -239,7 +250,7 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
            "timing": f"CUDA events over {CALLS_PER_SAMPLE} back-to-back calls per sample, {iters} interleaved "
                      f"samples each" + (", the slowest rank's" if layout.world_size > 1 else ""),
            "matmul_tflops_measured": rate / 1e12, "copy_gbps_measured": bandwidth / 1e9, "matmul_gflop": flops / 1e9,
-           "compute_floor_ms": floor_ms, "results": rows, "failed": failed}
+           "compute_floor_ms": floor_ms, "best_peer": best_peer, "results": rows, "failed": failed}
     if layout.tp > 1:
         busbw = allreduce_busbw(collectives(cfg, layout)[0].bytes_per_rank, groups.tp, layout.tp)
         rep["allreduce_busbw_gbps"] = busbw / 1e9
@@ -255,16 +266,52 @@ def _forward_fns(cfg, ref, x, impls, layout, rank, groups):
             nv = ShardedBlock(cfg, layout, rank, mesh=mesh).load(ref.state_dict())
             steps = iter(range(1 << 30))
             fns[impl] = lambda nv=nv, steps=steps: nv(x, 1234, next(steps) % 100_000)["out"]
+    if "nvfuser-graph" in impls:
+        from tpfuser.graphs import GraphedForward
+        from tpfuser.runtime import ShardedBlock
+        graphed = GraphedForward(ShardedBlock(cfg, layout, rank, keys_on_device=True).load(ref.state_dict()))
+        steps = iter(range(1 << 30))
+        fns["nvfuser-graph"] = lambda: graphed(x, 1234, next(steps) % 100_000)["out"]
     if "eager" in impls:
         fns["eager"] = lambda: sdpa_forward(ref, x, cfg.dropout)
+    if "eager-graph" in impls:
+        fns["eager-graph"] = graphed_callable(lambda: sdpa_forward(ref, x, cfg.dropout))
     if "compile" in impls:
         compiled = torch.compile(sdpa_forward)
         fns["compile"] = lambda: compiled(ref, x, cfg.dropout)
+    if "compile-reduce-overhead" in impls:
+        reduced = torch.compile(sdpa_forward, mode="reduce-overhead")
+        fns["compile-reduce-overhead"] = lambda: reduced(ref, x, cfg.dropout)
     if "dtensor" in impls:
         from tpfuser.peers import dtensor_block
         block = dtensor_block(ref, groups.tp_mesh)
         fns["dtensor"] = lambda: sdpa_forward(block, x, cfg.dropout, heads_interleaved=True)
     return fns
+
+
+class graphed_callable:
+    """fn captured in a CUDA graph at the first call (after warm-up on a side
+    stream), replayed after: eager PyTorch as a user would graph it by hand.
+    Its dropout draws new masks each replay (PyTorch's philox is graph-safe).
+    pool_bytes: what the capture reserved."""
+
+    def __init__(self, fn):
+        self.fn, self.graph, self.pool_bytes = fn, None, 0
+
+    def __call__(self):
+        if self.graph is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    self.fn()
+            torch.cuda.current_stream().wait_stream(side)
+            before = torch.cuda.memory_reserved()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.fn()
+            self.pool_bytes = torch.cuda.memory_reserved() - before
+        self.graph.replay()
 
 
 def _train_fns(cfg, ref, x, impls, layout, rank, groups):
@@ -285,6 +332,9 @@ def _train_fns(cfg, ref, x, impls, layout, rank, groups):
     if "compile" in impls:
         compiled = torch.compile(sdpa_forward)
         forwards["compile"] = (lambda: compiled(ref, x, cfg.dropout), params, True)
+    if "compile-reduce-overhead" in impls:
+        reduced = torch.compile(sdpa_forward, mode="reduce-overhead")
+        forwards["compile-reduce-overhead"] = (lambda: reduced(ref, x, cfg.dropout), params, True)
     if "dtensor" in impls:
         from tpfuser.peers import dtensor_block
         block = dtensor_block(ref, groups.tp_mesh)
@@ -312,7 +362,55 @@ def _train_fns(cfg, ref, x, impls, layout, rank, groups):
         memory[impl] = {"peak_mib_above_baseline": (torch.cuda.max_memory_allocated() - base) / 2**20,
                         "saved_activation_mib": saved_activation_bytes(fwd, ps) / 2**20}
         fns[impl] = step
+    graphed = _graphed_train_fns(cfg, ref, x, grad, impls, layout, rank, groups)
+    for impl, (step, pool) in graphed.items():
+        try:
+            for _ in range(3):
+                step()
+        except Exception as e:
+            failed[impl] = f"{type(e).__name__}: {error_line(e)}"
+            continue
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        memory[impl] = {"peak_mib_above_baseline": (torch.cuda.max_memory_allocated() - base) / 2**20,
+                        "graph_pool_mib": pool() / 2**20}
+        fns[impl] = step
     return fns, memory, failed
+
+
+def _graphed_train_fns(cfg, ref, x, grad, impls, layout, rank, groups):
+    """Training steps replayed from one CUDA graph each: {impl: (step, graph pool bytes)}.
+    Gradients summed over dp after the replay where dp > 1 (a gloo group)."""
+    from tpfuser.runtime import sum_over_group
+    out = {}
+    if "nvfuser-graph" in impls:
+        from tpfuser.graphs import GraphedTrainStep
+        from tpfuser.runtime import ShardedBlock
+        block = ShardedBlock(cfg, layout, rank, keys_on_device=True, dp_group=groups.dp if groups else None)
+        graphed = GraphedTrainStep(block.load(ref.state_dict()))
+        steps = iter(range(1 << 30))
+        out["nvfuser-graph"] = (lambda: graphed(x.detach(), grad, 1234, next(steps) % 100_000), lambda: graphed.pool_bytes)
+    if "eager-graph" in impls:
+        import copy
+        own = copy.deepcopy(ref)   # its gradients stay the graph's: the other steps set theirs to None
+        params = list(own.parameters())
+        x_own = x.detach().clone().requires_grad_(True)   # the input's gradient too, as the others
+
+        def whole_step():   # the gradients made, not accumulated
+            for t in (*params, x_own):
+                t.grad = None
+            sdpa_forward(own, x_own, cfg.dropout).backward(grad)
+        captured = graphed_callable(whole_step)
+
+        def step():
+            captured()
+            if layout.dp > 1:
+                sum_over_group([p.grad for p in params], groups.dp)
+        out["eager-graph"] = (step, lambda: captured.pool_bytes)
+    return out
 
 
 def main(argv=None) -> int:

@@ -30,30 +30,49 @@ def validate_report(rep: dict) -> dict:
     return rep
 
 
+def add_ratios(rows: dict) -> str | None:
+    """Each row's median as a ratio to eager's and to the fastest peer's (what a
+    user would pick instead of tpfuser: every implementation not nvfuser*).
+    Returns that peer's name, or None without peers."""
+    if "eager" in rows:
+        for r in rows.values():
+            r["ratio_to_eager"] = r["median_ms"] / rows["eager"]["median_ms"]
+    peers = [name for name in rows if not name.startswith("nvfuser")]
+    if not peers:
+        return None
+    best = min(peers, key=lambda n: rows[n]["median_ms"])
+    for r in rows.values():
+        r["ratio_to_best_peer"] = r["median_ms"] / rows[best]["median_ms"]
+    return best
+
+
 def format_table(rep: dict) -> str:
     lines = [f"{rep['preset']} {rep['pass']} on {rep['gpu']} (mesh {rep['mesh']}): "
              f"floor {rep['compute_floor_ms']:.3f} ms at {rep['matmul_tflops_measured']:.0f} TFLOP/s measured"
              + (f"; copy {rep['copy_gbps_measured']:.0f} GB/s" if "copy_gbps_measured" in rep else "")
              + (f"; communication floor {rep['comm_floor_ms']:.3f} ms at {rep['allreduce_busbw_gbps']:.0f} GB/s "
                 f"all-reduce bus bandwidth over tp" if "comm_floor_ms" in rep else ""),
-             f"{'impl':<16}{'median ms':>10}{'min':>8}{'max':>8}{'TFLOP/s':>9}{'of floor':>9}{'vs eager':>9}"]
+             (f"vs peer: to {rep['best_peer']}, the fastest peer\n" if rep.get("best_peer") else "") +
+             f"{'impl':<24}{'median ms':>10}{'min':>8}{'max':>8}{'TFLOP/s':>9}{'of floor':>9}{'vs eager':>9}{'vs peer':>8}"]
     if rep.get("gpus_shared"):
         lines[0] += (f"\nthe {rep['mesh']} ranks shared {rep['gpus_shared']} GPU(s) (--share-gpu): "
                      f"these timings are not speed figures")
     if any("peak_mib_above_baseline" in r for r in rep["results"].values()):
-        lines[1] += f"{'peak MiB':>10}{'saved MiB':>10}"
+        lines[1] += f"{'peak MiB':>10}{'saved MiB':>10}{'pool MiB':>10}"
     for name, r in rep["results"].items():
-        line = (f"{name:<16}{r['median_ms']:>10.3f}{r['min_ms']:>8.3f}{r['max_ms']:>8.3f}{r['tflops']:>9.0f}"
-                f"{r['fraction_of_matmul_rate']:>9.2f}{r.get('ratio_to_eager', float('nan')):>9.2f}")
+        line = (f"{name:<24}{r['median_ms']:>10.3f}{r['min_ms']:>8.3f}{r['max_ms']:>8.3f}{r['tflops']:>9.0f}"
+                f"{r['fraction_of_matmul_rate']:>9.2f}{r.get('ratio_to_eager', float('nan')):>9.2f}"
+                f"{r.get('ratio_to_best_peer', float('nan')):>8.2f}")
         if "peak_mib_above_baseline" in r:
-            line += f"{r['peak_mib_above_baseline']:>10.1f}{r['saved_activation_mib']:>10.1f}"
+            line += (f"{r['peak_mib_above_baseline']:>10.1f}{r.get('saved_activation_mib', float('nan')):>10.1f}"
+                     f"{r.get('graph_pool_mib', float('nan')):>10.1f}")
         lines.append(line)
     for name, why in rep.get("failed", {}).items():
-        lines.append(f"{name:<16}failed: {why[:160]}")
+        lines.append(f"{name:<24}failed: {why[:160]}")
     for name, r in rep["results"].items():
         if "profile" in r:
             p = r["profile"]
-            lines.append(f"{name:<16}{p['kernels_per_call']:.0f} kernels a call, GPU busy {p['kernel_ms_per_call']:.3f} ms, "
+            lines.append(f"{name:<24}{p['kernels_per_call']:.0f} kernels a call, GPU busy {p['kernel_ms_per_call']:.3f} ms, "
                          f"idle {p['idle_ms_per_call']:.3f} ms; most: " +
                          ", ".join(f"{k[:40]} {ms:.3f}" for k, ms in p["top_kernels_ms_per_call"][:3]))
     return "\n".join(lines)
