@@ -67,6 +67,11 @@ def test_a_rank_fails_on_error_masks_or_a_vacuous_wrong_stream_control():
     r = _report()
     r.collectives = {"forward": {"matches": False}}
     assert not r.ok
+    r = _report()
+    r.graphs = {"forward equal": True, "forward next offset differs": False}   # a replay that froze its masks
+    assert not r.ok
+    r.graphs["forward next offset differs"] = True
+    assert r.ok
 
 
 def test_every_bound_says_why():

@@ -121,6 +121,10 @@ def test_check_table_one_line_a_rank_and_case():
                          "ranks": [good.as_dict(), {"rank": 1, "ok": False, "error": "nvFuser said no"}]}],
               "ok": False}
     lines = format_checks(report).splitlines()
+    graphed = RankReport(**{**{k: v for k, v in good.as_dict().items() if k != "ok"},
+                            "graphs": {"forward equal": True, "train step equal": False}})
+    report["cases"][0]["ranks"][1] = graphed.as_dict()
+    assert format_checks(report).splitlines()[3].endswith("2/2 graphs NOT: train step equal  FAIL")
     assert "timings here are not speed figures" in lines[0]
     assert lines[2].split() == ["bf16", "0.10", "0", "2.0e-03", "1e-02", "4.0e-02", "1.6e-01", "5.0e-03", "2.0e-02",
                                 "equal", "2/2", "ok"]

@@ -11,6 +11,8 @@
 #           BISECT_EACH=1 then each output alone of a failing one
 #   mesh    every mesh checked to the end, forward and backward, its ranks sharing the GPU
 #           (tools/mesh_suite.py; MESH picks groups or jobs, default "tiny nanogpt gpt3"; bound MESH_S)
+#   graphs  CUDA graphs: tests/test_gpu_graphs.py at 1x1, and `check --graphs` at 1x2 and 2x2
+#           (replays against the called block, bit for bit), side by side; bound GRAPHS_S
 # SUITE_S: no step starts after this many seconds. At most 8 files come back from
 # the device: the summary, and everything else in run.tar.gz.
 set -uo pipefail
@@ -18,7 +20,7 @@ OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 # The default: every check (side by side), then the benchmarks (alone). About 12
 # minutes on the H200 (estimated from runs 6-8); a 600 s device call takes it in
 # two halves (README).
-ONLY=${ONLY:-fwd+bwd+bwdmesh mesh train bench gpt3}
+ONLY=${ONLY:-fwd+bwd+bwdmesh graphs mesh train bench gpt3}
 TESTS=${TESTS:-tests} K=${K:-}
 export PYTHONPATH=$PWD:${PYTHONPATH:-} NVIDIA_TF32_OVERRIDE=0 PYTHONUNBUFFERED=1
 export TPFUSER_GPU_RECORD=$OUT/gpu_record.jsonl   # the figures behind the GPU tests (tests/conftest.py)
@@ -62,6 +64,16 @@ step_mesh() {
   echo "== every mesh to the end, ranks sharing the GPU (tools/mesh_suite.py ${MESH:-tiny nanogpt gpt3})"
   mkdir -p "$OUT/mesh"
   T ${MESH_S:-540} -- python3 tools/mesh_suite.py "$OUT/mesh" ${MESH:-tiny nanogpt gpt3} 2>&1 | tee "$OUT/mesh.log" | tail -40
+}
+step_graphs() {
+  echo "== CUDA graphs: replays equal to the called block (1x1 tests; check --graphs at 1x2 and 2x2, ranks sharing the GPU)"
+  pytest_gpu tests_graphs tests/test_gpu_graphs.py "" > "$OUT/graphs_tests.txt" 2>&1 &
+  for mesh in 1x2 2x2; do
+    T ${GRAPHS_S:-400} -- python3 -m tpfuser.cli check --preset tiny --dp ${mesh%x*} --tp ${mesh#*x} --dtype fp32 bf16 \
+      --graphs --share-gpu --json "$OUT/graphs_$mesh.json" > "$OUT/graphs_$mesh.txt" 2>&1 &
+  done
+  wait
+  cat "$OUT/graphs_tests.txt"; grep -h -E "^(check|dtype|fp32|bf16|all|SOME)" "$OUT"/graphs_1x2.txt "$OUT"/graphs_2x2.txt | cut -c1-220
 }
 step_gpt3() {
   echo "== benchmark: gpt3 forward at 1x1 (fewer samples: ~11 ms a call)"

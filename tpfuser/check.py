@@ -224,6 +224,7 @@ class RankReport:
     forward: dict = field(default_factory=dict)
     backward: dict | None = None
     collectives: dict | None = None
+    graphs: dict | None = None   # {what: bool}: replays equal to the called block, new masks at the next offset
 
     @property
     def ok(self) -> bool:
@@ -236,6 +237,8 @@ class RankReport:
             ok &= bwd["worst"] <= bwd["tolerance"] and not any(bwd["mask_mismatches"].values())
         if self.collectives is not None:
             ok &= all(phase["matches"] for phase in self.collectives.values())
+        if self.graphs is not None:
+            ok &= all(self.graphs.values())
         return bool(ok)
 
     def as_dict(self) -> dict:
@@ -248,15 +251,17 @@ def _mask_mismatches(tensors: dict[str, torch.Tensor], expected: dict[str, torch
 
 
 def check(case: Case, rank: int = 0, backward: bool = True, mesh: bool = True, dp_group=None,
-          record_collectives: bool = False, preset_name: str = "") -> RankReport:
+          record_collectives: bool = False, preset_name: str = "", graphs: bool = False) -> RankReport:
     """Run this rank's fusions on its slices and compare with the reference's.
 
     The forward is the checking fusion (its masks as outputs); with `backward`,
     also the training forward and the backward (parameter gradients summed over
     dp after the fusion, over dp_group). record_collectives: capture what nvFuser
     posts in each (needs NVFUSER_DUMP=communication set before the process
-    started) and compare it with the plan. Needs torch.distributed initialized
-    when the mesh has several ranks."""
+    started) and compare it with the plan. graphs: also replay the forward (and
+    the training step) from CUDA graphs (graphs.py) and compare them with the
+    called block bit for bit. Needs torch.distributed initialized when the
+    mesh has several ranks."""
     cfg, layout = case.cfg, case.layout
     device = torch.device("cuda", torch.cuda.current_device())
     exp = expectations(case, rank, device, backward)
@@ -288,12 +293,42 @@ def check(case: Case, rank: int = 0, backward: bool = True, mesh: bool = True, d
         report.backward = {"errors": errors, "worst": errors[worst], "worst_tensor": worst,
                            "tolerance": bound(cfg.dtype, "grad"),
                            "mask_mismatches": _mask_mismatches(dict(zip(saved_names(cfg), saved)), masks)}
+    if graphs:
+        called = {"forward": outs} | ({"train": (named["out"], grad_x, grads)} if backward else {})
+        report.graphs = graph_equality(case, rank, exp, called, dp_group, mesh)
     if record_collectives:
         planned = {"forward": collectives(cfg, layout), "training forward": collectives(cfg, layout),
                    "backward": [c for c in backward_collectives(cfg, layout) if c.axis != DP]}
         team = [block.dp_rank * layout.tp + t for t in range(layout.tp)]
         report.collectives = {phase: compare_collectives(posted[phase], planned[phase], team) for phase in posted}
     return report
+
+
+def graph_equality(case: Case, rank: int, exp: dict, called: dict, dp_group, mesh: bool) -> dict[str, bool]:
+    """Replays from CUDA graphs (device keys) against the called block's results
+    at the case's (seed, offset), bit for bit; with dropout, the next offset's
+    replay must differ (new masks)."""
+    from tpfuser.graphs import GraphedForward, GraphedTrainStep
+    cfg, layout = case.cfg, case.layout
+    shards = [exp[f"param.{n}"] for n in PARAM_NAMES]
+    x, grad_out = exp["x"].to(cfg.torch_dtype), exp["grad_out"].to(cfg.torch_dtype)
+    seed, offset = case.rng_seed, case.rng_offset
+
+    def block():
+        return ShardedBlock(cfg, layout, rank, check=True, mesh=mesh, dp_group=dp_group,
+                            keys_on_device=True).load_shards(shards)
+    result = {}
+    forward = GraphedForward(block())
+    replayed = {k: v.clone() for k, v in forward(x, seed, offset).items()}
+    result["forward equal"] = all(torch.equal(replayed[k], v) for k, v in called["forward"].items())
+    if cfg.dropout > 0:
+        result["forward next offset differs"] = not torch.equal(forward(x, seed, offset + 1)["out"], replayed["out"])
+    if "train" in called:
+        out, grad_x, grads = GraphedTrainStep(block())(x, grad_out, seed, offset)
+        c_out, c_grad_x, c_grads = called["train"]
+        result["train step equal"] = (torch.equal(out, c_out) and torch.equal(grad_x, c_grad_x)
+                                      and all(torch.equal(a, b) for a, b in zip(grads, c_grads)))
+    return result
 
 
 def check_forward(cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, preset_name: str = "",

@@ -172,6 +172,7 @@ def cmd_main(args) -> int:
     if _cuda_count() > 0:
         args.dtype = list(dtypes)
         args.forward_only, args.collectives, args.share_gpu, args.json = False, False, False, None
+        args.graphs = False
         return cmd_check(args)
     from tpfuser.fusion import build_forward
     from tpfuser.report import format_plan, plan_report
@@ -215,6 +216,9 @@ def main(argv=None) -> int:
             p.add_argument("--share-gpu", action="store_true",
                            help="run dp*tp ranks on fewer GPUs (several ranks per GPU, through NCCL's socket "
                                 "transport): for checking a layout, not for timing")
+            p.add_argument("--graphs", action="store_true",
+                           help="also replay the forward and the training step from CUDA graphs and compare "
+                                "them with the called block, bit for bit")
             p.add_argument("--json", default=None, help="also write every rank's results here (rank 0 writes)")
         p.set_defaults(fn=fn)
     # Listed for --help only: `bench` is dispatched above, with its own options.

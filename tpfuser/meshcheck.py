@@ -42,7 +42,8 @@ def _check_case(cfg: BlockConfig, layout: Layout, rank: int, args, dp_group) -> 
     from tpfuser.check import Case, check
     try:
         report = check(Case(cfg, layout), rank, backward=not args.forward_only, dp_group=dp_group,
-                       record_collectives=args.collectives, preset_name=args.preset)
+                       record_collectives=args.collectives, preset_name=args.preset,
+                       graphs=getattr(args, "graphs", False))
         return report.as_dict()
     except Exception as e:   # reported, and the next case runs
         return {"preset": args.preset, "dtype": cfg.dtype, "dropout": cfg.dropout, "rank": rank, "ok": False,
@@ -112,6 +113,10 @@ def format_checks(report: dict, only_last: bool = False) -> str:
             masks = "-" if not fwd["mask_mismatches"] else "equal" if wrong == 0 else f"{wrong} off"
             colls = "-" if coll is None else " ".join(
                 f"{len(ph['posted'])}/{len(ph['planned'])}" + ("" if ph["matches"] else "!") for ph in coll.values())
+            graphs = r.get("graphs")
+            if graphs is not None:
+                colls += " graphs " + ("equal" if all(graphs.values()) else
+                                       "NOT: " + ", ".join(k for k, v in graphs.items() if not v))
             lines.append(f"{head} {_fmt(fwd['rel_err']):>8} {fwd['tolerance']:6.0e} {_fmt(fwd['branch_rel_err']):>8} "
                          f"{_fmt(fwd.get('wrong_stream_branch_rel_err')):>12} "
                          f"{_fmt(bwd and bwd['worst']):>10} {_fmt(bwd and bwd['tolerance']):>6} {masks:>6} {colls:>11}  "
