@@ -60,3 +60,39 @@ def test_graphs_refuse_without_cuda_or_device_keys(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ValueError, match=r"dropout=0.1: a graph needs ShardedBlock\(\.\.\., keys_on_device=True\)"):
         GraphedForward(block)
+
+
+class _NoGraph:
+    def replay(self):
+        pass
+
+
+def test_graphed_training_holds_one_step(monkeypatch):
+    """Two forwards before a backward would read overwritten activations: refused;
+    so is a backward with no forward before it."""
+    from tpfuser.graphs import GraphedTraining
+    cfg = preset("tiny", dtype="fp32", dropout=0.0)
+    runner = ShardedBlock(cfg, device=torch.device("cpu"))   # before CUDA is faked: it describes no world
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    runner._params = []   # no parameters to check: the stand-in graphs read none
+    monkeypatch.setattr(runner, "_validate_input", lambda name, t: None)
+    graphed = GraphedTraining(runner)
+    graphed.graph, graphed.backward_graph, graphed._param_ptrs = _NoGraph(), _NoGraph(), []
+    graphed.out, graphed.grad_x, graphed.grads = torch.zeros(1), torch.zeros(1), []
+    x = torch.zeros(runner.input_shape())
+    with pytest.raises(RuntimeError, match="backward without a forward"):
+        graphed.backward(x)
+    graphed.forward(x, 0, 0)
+    with pytest.raises(RuntimeError, match="call backward before the next forward"):
+        graphed.forward(x, 0, 1)
+    graphed.backward(x)
+    graphed.forward(x, 0, 1)   # the next step
+
+
+def test_tp_block_graphs_need_cuda():
+    from tpfuser.runtime import TPBlock
+    model = TPBlock(preset("tiny"), device=torch.device("cpu"), graphs=True)
+    assert model.runner.keys_on_device
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device"):
+            model(torch.zeros(4, 16, 64))

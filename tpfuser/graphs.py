@@ -7,6 +7,7 @@ and replayed.
     out = forward(x, rng_seed, rng_offset)["out"]        # overwritten by the next call
     step = GraphedTrainStep(block)
     out, grad_x, grads = step(x, grad_out, rng_seed, rng_offset)
+    model = TPBlock(cfg, layout, rank, graphs=True)       # nn.Module: GraphedTraining under autograd
 
 Called, nvFuser's multi-device path launches each segment and posts each
 collective from the host, 0.3-0.5 ms a call on nanogpt (NOTES.md); a replay
@@ -141,3 +142,87 @@ class GraphedTrainStep(_Graphed):
         if self.dp_sum_after:
             grads = sum_over_group(grads, self.block.dp_group)
         return out, grad_x, grads
+
+
+class GraphedTraining(_Graphed):
+    """The training forward and the backward as two CUDA graphs sharing one memory
+    pool, for autograd (TPBlock(graphs=True)): forward() replays the first,
+    backward() the second, on the activations the first saved. They hold one
+    step: a second forward before the backward, or a backward without a
+    forward, is refused (it would silently use overwritten activations)."""
+
+    def __init__(self, block: ShardedBlock):
+        super().__init__(block)
+        if block.layout.dp > 1 and block.dp_group is None:
+            raise ValueError(f"dp={block.layout.dp}: pass dp_group=launch.dp_group(layout, rank)")
+        shape, dtype = block.input_shape(), block.cfg.torch_dtype
+        self.x = torch.zeros(shape, dtype=dtype, device=block.device)
+        self.grad_out = torch.zeros(shape, dtype=dtype, device=block.device)
+        self.backward_graph = None
+        self.pending = False   # a forward replayed, its backward not yet
+
+    def forward(self, x: torch.Tensor, rng_seed: int, rng_offset: int) -> torch.Tensor:
+        if self.pending:
+            raise RuntimeError("graph mode holds one step's activations: call backward before the next forward")
+        self.block._validate_input("x", x)
+        self.x.copy_(x.detach())
+        if self.graph is None:
+            self._capture_both(rng_seed, rng_offset)
+        self._replay(rng_seed, rng_offset)
+        self.pending = True
+        return self.out
+
+    def backward(self, grad_out: torch.Tensor):
+        """(grad of x, parameter-shard gradients summed over dp), new tensors (autograd may keep them)."""
+        if not self.pending:
+            raise RuntimeError("backward without a forward: graph mode replays the backward of the last forward")
+        self.block._validate_input("grad_out", grad_out)
+        self.grad_out.copy_(grad_out)
+        self.backward_graph.replay()
+        self.pending = False
+        grad_x, grads = self.grad_x.clone(), [g.clone() for g in self.grads]
+        if self.block.layout.dp > 1:
+            grads = self.block._sum_over_dp(grads)
+        return grad_x, grads
+
+    def _capture_both(self, rng_seed, rng_offset):
+        block = self.block
+        block._rng_inputs(rng_seed, rng_offset)
+        self._param_ptrs = [p.data_ptr() for p in block._checked_params(None)]
+        before = torch.cuda.memory_reserved(block.device)
+        self.graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        held = {}
+
+        def forward():
+            named, held["saved"] = block.forward_train(self.x, rng_seed, rng_offset)
+            return named["out"]
+
+        def backward():
+            return block.backward(self.grad_out, self.x, held["saved"], sum_over_dp=False)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                forward()
+                backward()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(self.graph):
+            self.out = forward()
+        self.saved = held["saved"]   # the backward graph reads them where the forward graph writes them
+        with torch.cuda.graph(self.backward_graph, pool=self.graph.pool()):
+            self.grad_x, self.grads = backward()
+        self.pool_bytes = torch.cuda.memory_reserved(block.device) - before
+
+
+class _GraphedBlockFunction(torch.autograd.Function):
+    """autograd glue of TPBlock(graphs=True): the replays of a GraphedTraining."""
+
+    @staticmethod
+    def forward(ctx, graphed: GraphedTraining, rng_seed: int, rng_offset: int, x, *params):
+        ctx.graphed = graphed
+        return graphed.forward(x, rng_seed, rng_offset).detach()   # a new tensor on the static buffer
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_x, grads = ctx.graphed.backward(grad_out)
+        return (None, None, None, grad_x, *grads)

@@ -341,14 +341,23 @@ class TPBlock(torch.nn.Module):
     the backward fusion, over dp_group (as for a loss summed over the global batch).
 
     Each training-mode call draws fresh dropout masks: the rng offset is a
-    step counter, the seed fixed at construction."""
+    step counter, the seed fixed at construction.
+
+    graphs=True: a training-mode call replays a CUDA graph of the training
+    forward, and its backward one of the backward (graphs.GraphedTraining),
+    captured at the first call; one step at a time (forward, then backward).
+    The output is a view of a buffer the next step overwrites. Eval-mode calls
+    are not graphed."""
 
     def __init__(self, cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, rng_seed: int = 0,
                  device: Optional[torch.device] = None, mesh: bool = True,
-                 dp_group=None):
+                 dp_group=None, graphs: bool = False):
         super().__init__()
         self.cfg, self.layout, self.rank = cfg, layout, rank
-        self.runner = ShardedBlock(cfg, layout, rank, device=device, mesh=mesh, dp_group=dp_group)
+        self.runner = ShardedBlock(cfg, layout, rank, device=device, mesh=mesh, dp_group=dp_group,
+                                   keys_on_device=graphs)
+        self.graphs = graphs
+        self._graphed = None   # graphs.GraphedTraining, made at the first training-mode call
         self._eval_runner = None
         self.shards = torch.nn.ParameterList()
         self.rng_seed, self.step = rng_seed, 0
@@ -374,6 +383,11 @@ class TPBlock(torch.nn.Module):
         offset = self.step
         if self.training:
             self.step += 1
+            if self.graphs:
+                from tpfuser.graphs import GraphedTraining, _GraphedBlockFunction
+                if self._graphed is None:
+                    self._graphed = GraphedTraining(self.runner)
+                return _GraphedBlockFunction.apply(self._graphed, self.rng_seed, offset, x, *self.shards)
         return _BlockFunction.apply(runner, self.rng_seed, offset, x, *self.shards)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
