@@ -413,10 +413,8 @@ def _graphed_train_fns(cfg, ref, x, grad, impls, layout, rank, groups):
     return out
 
 
-def main(argv=None) -> int:
-    from tpfuser.cli import ArgParser, check_writable
-    argv = sys.argv[1:] if argv is None else argv
-    ap = ArgParser(prog="tpfuser bench")
+def add_arguments(ap) -> None:
+    """bench's options, on its own parser (python -m tpfuser.bench) or tpfuser's subparser."""
     ap.add_argument("--preset", default="nanogpt")
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--tp", type=int, default=1)
@@ -429,7 +427,19 @@ def main(argv=None) -> int:
     ap.add_argument("--png", default=None, help="also plot the report here")
     ap.add_argument("--share-gpu", action="store_true",
                     help="run dp*tp ranks on fewer GPUs: to see it run, not for speed (the ranks time-share a GPU)")
-    args = ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from tpfuser.cli import ArgParser
+    argv = sys.argv[1:] if argv is None else argv
+    ap = ArgParser(prog="tpfuser bench")
+    add_arguments(ap)
+    return run(ap.parse_args(argv), argv)
+
+
+def run(args, argv) -> int:
+    """The benchmark of parsed options; argv, bench's own, is what ranks relaunch with."""
+    from tpfuser.cli import check_writable
     rank, groups = 0, None
     impls = args.impl.split(",") if args.impl else None
     try:

@@ -189,9 +189,6 @@ def cmd_main(args) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:
-        from tpfuser.bench import main as bench_main
-        return bench_main(argv[1:])
     parser = ArgParser(prog="tpfuser", description="Megatron-style sharded GPT block in nvFuser")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn, hlp in (("show", cmd_show, "print the fusion definition"),
@@ -221,9 +218,15 @@ def main(argv=None) -> int:
                                 "them with the called block, bit for bit")
             p.add_argument("--json", default=None, help="also write every rank's results here (rank 0 writes)")
         p.set_defaults(fn=fn)
-    # Listed for --help only: `bench` is dispatched above, with its own options.
-    sub.add_parser("bench", help="benchmark against the peers (see: tpfuser bench --help)")
-    args = parser.parse_args(argv)
+    from tpfuser import bench
+    p = sub.add_parser("bench", help="benchmark against the peers, called and replayed from CUDA graphs")
+    bench.add_arguments(p)
+    p.set_defaults(fn=lambda args: bench.run(args, argv[1:]))
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:   # named by the command they were given to
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command == "bench":   # its own refusals and exit codes (bench.run)
+        return args.fn(args)
     try:
         preflight(args)
         return args.fn(args)
