@@ -67,9 +67,9 @@ class _NoGraph:
         pass
 
 
-def test_graphed_training_holds_one_step(monkeypatch):
-    """Two forwards before a backward would read overwritten activations: refused;
-    so is a backward with no forward before it."""
+def test_graphed_training_refuses_a_backward_whose_activations_were_overwritten(monkeypatch):
+    """The graphs hold one step's activations: the backward of a forward that a
+    later forward overwrote is refused; the last forward's backward runs."""
     from tpfuser.graphs import GraphedTraining
     cfg = preset("tiny", dtype="fp32", dropout=0.0)
     runner = ShardedBlock(cfg, device=torch.device("cpu"))   # before CUDA is faked: it describes no world
@@ -80,13 +80,14 @@ def test_graphed_training_holds_one_step(monkeypatch):
     graphed.graph, graphed.backward_graph, graphed._param_ptrs = _NoGraph(), _NoGraph(), []
     graphed.out, graphed.grad_x, graphed.grads = torch.zeros(1), torch.zeros(1), []
     x = torch.zeros(runner.input_shape())
-    with pytest.raises(RuntimeError, match="backward without a forward"):
-        graphed.backward(x)
-    graphed.forward(x, 0, 0)
-    with pytest.raises(RuntimeError, match="call backward before the next forward"):
-        graphed.forward(x, 0, 1)
-    graphed.backward(x)
-    graphed.forward(x, 0, 1)   # the next step
+    _, first = graphed.forward(x, 0, 0)
+    _, second = graphed.forward(x, 0, 1)   # e.g. a forward under no_grad, or an abandoned step
+    with pytest.raises(RuntimeError, match=r"this backward's forward \(step 1\) was overwritten by a later forward \(step 2\)"):
+        graphed.backward(x, first)
+    graphed.backward(x, second)
+    graphed.backward(x, second)   # again (retain_graph): the same activations
+    with pytest.raises(ValueError, match="parameters were replaced since the graph was captured"):
+        graphed.forward(x, 0, 2, params=[torch.zeros(1)])   # the module's shards, replaced
 
 
 def test_tp_block_graphs_need_cuda():

@@ -70,6 +70,13 @@ def check_impls(impls, layout: Layout) -> None:
 CALLS_PER_SAMPLE = 10
 
 
+def failure(e: BaseException) -> str:
+    """One line for an implementation that failed; a failed CUDA-graph capture
+    raises its own error over the cause, which follows it."""
+    line = f"{type(e).__name__}: {error_line(e)}"
+    return line + (f" (after {type(e.__context__).__name__}: {error_line(e.__context__)})" if e.__context__ else "")
+
+
 def _time(fn, start, end, calls: int = 1) -> float:
     """ms per call over `calls` back-to-back calls."""
     start.record()
@@ -214,7 +221,7 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
                 for _ in range(warmup):
                     fn()
             except Exception as e:  # e.g. nvFuser failing to compile: report it, time the others
-                failed[name] = f"{type(e).__name__}: {error_line(e)}"
+                failed[name] = failure(e)
                 del fns[name]
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -281,7 +288,11 @@ def _forward_fns(cfg, ref, x, impls, layout, rank, groups):
         fns["compile"] = lambda: compiled(ref, x, cfg.dropout)
     if "compile-reduce-overhead" in impls:
         reduced = torch.compile(sdpa_forward, mode="reduce-overhead")
-        fns["compile-reduce-overhead"] = lambda: reduced(ref, x, cfg.dropout)
+
+        def reduced_call():   # each call a new step for its CUDA-graph trees
+            torch.compiler.cudagraph_mark_step_begin()
+            return reduced(ref, x, cfg.dropout)
+        fns["compile-reduce-overhead"] = reduced_call
     if "dtensor" in impls:
         from tpfuser.peers import dtensor_block
         block = dtensor_block(ref, groups.tp_mesh)
@@ -300,12 +311,8 @@ class graphed_callable:
 
     def __call__(self):
         if self.graph is None:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    self.fn()
-            torch.cuda.current_stream().wait_stream(side)
+            from tpfuser.graphs import warm_up
+            warm_up(self.fn, times=3)
             before = torch.cuda.memory_reserved()
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
@@ -334,7 +341,11 @@ def _train_fns(cfg, ref, x, impls, layout, rank, groups):
         forwards["compile"] = (lambda: compiled(ref, x, cfg.dropout), params, True)
     if "compile-reduce-overhead" in impls:
         reduced = torch.compile(sdpa_forward, mode="reduce-overhead")
-        forwards["compile-reduce-overhead"] = (lambda: reduced(ref, x, cfg.dropout), params, True)
+
+        def reduced_forward():   # each step a new one for its CUDA-graph trees: no pending backward kept
+            torch.compiler.cudagraph_mark_step_begin()
+            return reduced(ref, x, cfg.dropout)
+        forwards["compile-reduce-overhead"] = (reduced_forward, params, True)
     if "dtensor" in impls:
         from tpfuser.peers import dtensor_block
         block = dtensor_block(ref, groups.tp_mesh)
@@ -352,15 +363,16 @@ def _train_fns(cfg, ref, x, impls, layout, rank, groups):
             for _ in range(3):
                 step()
         except Exception as e:  # e.g. nvFuser failing to compile: report it, time the others
-            failed[impl] = f"{type(e).__name__}: {error_line(e)}"
+            failed[impl] = failure(e)
             continue
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         step()
         torch.cuda.synchronize()
-        memory[impl] = {"peak_mib_above_baseline": (torch.cuda.max_memory_allocated() - base) / 2**20,
-                        "saved_activation_mib": saved_activation_bytes(fwd, ps) / 2**20}
+        memory[impl] = {"peak_mib_above_baseline": (torch.cuda.max_memory_allocated() - base) / 2**20}
+        if impl != "compile-reduce-overhead":   # a forward left without its backward upsets its graph trees
+            memory[impl]["saved_activation_mib"] = saved_activation_bytes(fwd, ps) / 2**20
         fns[impl] = step
     graphed = _graphed_train_fns(cfg, ref, x, grad, impls, layout, rank, groups)
     for impl, (step, pool) in graphed.items():
@@ -368,7 +380,7 @@ def _train_fns(cfg, ref, x, impls, layout, rank, groups):
             for _ in range(3):
                 step()
         except Exception as e:
-            failed[impl] = f"{type(e).__name__}: {error_line(e)}"
+            failed[impl] = failure(e)
             continue
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

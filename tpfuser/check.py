@@ -294,8 +294,7 @@ def check(case: Case, rank: int = 0, backward: bool = True, mesh: bool = True, d
                            "tolerance": bound(cfg.dtype, "grad"),
                            "mask_mismatches": _mask_mismatches(dict(zip(saved_names(cfg), saved)), masks)}
     if graphs:
-        called = {"forward": outs} | ({"train": (named["out"], grad_x, grads)} if backward else {})
-        report.graphs = graph_equality(case, rank, exp, called, dp_group, mesh)
+        report.graphs = graph_equality(case, rank, exp, outs, backward, dp_group, mesh)
     if record_collectives:
         planned = {"forward": collectives(cfg, layout), "training forward": collectives(cfg, layout),
                    "backward": [c for c in backward_collectives(cfg, layout) if c.axis != DP]}
@@ -304,10 +303,11 @@ def check(case: Case, rank: int = 0, backward: bool = True, mesh: bool = True, d
     return report
 
 
-def graph_equality(case: Case, rank: int, exp: dict, called: dict, dp_group, mesh: bool) -> dict[str, bool]:
-    """Replays from CUDA graphs (device keys) against the called block's results
-    at the case's (seed, offset), bit for bit; with dropout, the next offset's
-    replay must differ (new masks)."""
+def graph_equality(case: Case, rank: int, exp: dict, host_outs: dict, backward: bool, dp_group,
+                   mesh: bool) -> dict[str, bool]:
+    """Replays from CUDA graphs against a called block with the same device keys,
+    bit for bit, at the case's (seed, offset); with dropout, the next offset's
+    replay must draw new masks, and the device keys the host keys' masks."""
     from tpfuser.graphs import GraphedForward, GraphedTrainStep
     cfg, layout = case.cfg, case.layout
     shards = [exp[f"param.{n}"] for n in PARAM_NAMES]
@@ -317,16 +317,23 @@ def graph_equality(case: Case, rank: int, exp: dict, called: dict, dp_group, mes
     def block():
         return ShardedBlock(cfg, layout, rank, check=True, mesh=mesh, dp_group=dp_group,
                             keys_on_device=True).load_shards(shards)
+    called = block()
+    outs = {k: v.clone() for k, v in called(x, seed, offset).items()}
     result = {}
+    masks = [n for n in outs if n != "out"]
+    if masks:
+        result["device keys draw the host keys' masks"] = all(torch.equal(outs[n], host_outs[n]) for n in masks)
     forward = GraphedForward(block())
     replayed = {k: v.clone() for k, v in forward(x, seed, offset).items()}
-    result["forward equal"] = all(torch.equal(replayed[k], v) for k, v in called["forward"].items())
+    result["forward equal"] = all(torch.equal(replayed[k], v) for k, v in outs.items())
     if cfg.dropout > 0:
-        result["forward next offset differs"] = not torch.equal(forward(x, seed, offset + 1)["out"], replayed["out"])
-    if "train" in called:
+        result["forward next offset differs"] = not all(torch.equal(forward(x, seed, offset + 1)[n], replayed[n])
+                                                        for n in masks)
+    if backward:
+        named, saved = called.forward_train(x, seed, offset)
+        c_grad_x, c_grads = called.backward(grad_out, x, saved)
         out, grad_x, grads = GraphedTrainStep(block())(x, grad_out, seed, offset)
-        c_out, c_grad_x, c_grads = called["train"]
-        result["train step equal"] = (torch.equal(out, c_out) and torch.equal(grad_x, c_grad_x)
+        result["train step equal"] = (torch.equal(out, named["out"]) and torch.equal(grad_x, c_grad_x)
                                       and all(torch.equal(a, b) for a, b in zip(grads, c_grads)))
     return result
 

@@ -43,16 +43,19 @@ def _check_block(block: ShardedBlock) -> None:
                          "or its masks would be frozen at capture")
 
 
-def _warm_then_capture(body, graph: torch.cuda.CUDAGraph):
-    """Run body twice on a side stream, then capture it into graph; returns what the capture returned."""
+def warm_up(body, times: int = 2) -> None:
+    """Run body on a side stream (as before a capture: nvFuser compiles, NCCL
+    connects); then release the cached memory, so that what a capture reserves
+    next can be read off memory_reserved (torch.cuda.graph empties the cache
+    on entry too, which would otherwise hide it)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(2):
+        for _ in range(times):
             body()
     torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        return body()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
 
 
 class _Graphed:
@@ -63,22 +66,24 @@ class _Graphed:
         self._param_ptrs = None
         self.pool_bytes = 0   # what the graph's memory pool reserved at capture
 
-    def _params_unchanged(self) -> None:
-        params = self.block._checked_params(None)
+    def _params_unchanged(self, params=None) -> None:
+        params = self.block._checked_params(None) if params is None else params
         if [p.data_ptr() for p in params] != self._param_ptrs:
             raise ValueError("the block's parameters were replaced since the graph was captured "
                              "(load() again?): update them in place, or make a new graphed block")
 
     def _capture(self, body) -> object:
         self._param_ptrs = [p.data_ptr() for p in self.block._checked_params(None)]
+        warm_up(body)
         before = torch.cuda.memory_reserved(self.block.device)
         self.graph = torch.cuda.CUDAGraph()
-        held = _warm_then_capture(body, self.graph)
+        with torch.cuda.graph(self.graph):
+            held = body()
         self.pool_bytes = torch.cuda.memory_reserved(self.block.device) - before
         return held
 
-    def _replay(self, rng_seed: int, rng_offset: int) -> None:
-        self._params_unchanged()
+    def _replay(self, rng_seed: int, rng_offset: int, params=None) -> None:
+        self._params_unchanged(params)
         block = self.block
         block._rng_inputs(rng_seed, rng_offset)            # writes this call's keys (keys_on_device)
         with block._attention_stream(rng_seed, rng_offset):   # flash attention's seed, read by the replay
@@ -148,8 +153,8 @@ class GraphedTraining(_Graphed):
     """The training forward and the backward as two CUDA graphs sharing one memory
     pool, for autograd (TPBlock(graphs=True)): forward() replays the first,
     backward() the second, on the activations the first saved. They hold one
-    step: a second forward before the backward, or a backward without a
-    forward, is refused (it would silently use overwritten activations)."""
+    step: the backward of a forward that another forward has since
+    overwritten is refused (it would silently use the newer activations)."""
 
     def __init__(self, block: ShardedBlock):
         super().__init__(block)
@@ -159,27 +164,27 @@ class GraphedTraining(_Graphed):
         self.x = torch.zeros(shape, dtype=dtype, device=block.device)
         self.grad_out = torch.zeros(shape, dtype=dtype, device=block.device)
         self.backward_graph = None
-        self.pending = False   # a forward replayed, its backward not yet
+        self.generation = 0   # forwards replayed so far: the activations held are the last one's
 
-    def forward(self, x: torch.Tensor, rng_seed: int, rng_offset: int) -> torch.Tensor:
-        if self.pending:
-            raise RuntimeError("graph mode holds one step's activations: call backward before the next forward")
+    def forward(self, x: torch.Tensor, rng_seed: int, rng_offset: int, params=None) -> tuple[torch.Tensor, int]:
+        """(out, a static buffer; this forward's generation, for its backward)."""
         self.block._validate_input("x", x)
         self.x.copy_(x.detach())
         if self.graph is None:
             self._capture_both(rng_seed, rng_offset)
-        self._replay(rng_seed, rng_offset)
-        self.pending = True
-        return self.out
+        self._replay(rng_seed, rng_offset, params)
+        self.generation += 1
+        return self.out, self.generation
 
-    def backward(self, grad_out: torch.Tensor):
+    def backward(self, grad_out: torch.Tensor, generation: int):
         """(grad of x, parameter-shard gradients summed over dp), new tensors (autograd may keep them)."""
-        if not self.pending:
-            raise RuntimeError("backward without a forward: graph mode replays the backward of the last forward")
+        if generation != self.generation:
+            raise RuntimeError(f"graph mode holds one step's activations: this backward's forward (step "
+                               f"{generation}) was overwritten by a later forward (step {self.generation}); "
+                               f"run each backward before the next training-mode forward")
         self.block._validate_input("grad_out", grad_out)
         self.grad_out.copy_(grad_out)
         self.backward_graph.replay()
-        self.pending = False
         grad_x, grads = self.grad_x.clone(), [g.clone() for g in self.grads]
         if self.block.layout.dp > 1:
             grads = self.block._sum_over_dp(grads)
@@ -189,7 +194,6 @@ class GraphedTraining(_Graphed):
         block = self.block
         block._rng_inputs(rng_seed, rng_offset)
         self._param_ptrs = [p.data_ptr() for p in block._checked_params(None)]
-        before = torch.cuda.memory_reserved(block.device)
         self.graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         held = {}
 
@@ -199,13 +203,8 @@ class GraphedTraining(_Graphed):
 
         def backward():
             return block.backward(self.grad_out, self.x, held["saved"], sum_over_dp=False)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                forward()
-                backward()
-        torch.cuda.current_stream().wait_stream(side)
+        warm_up(lambda: (forward(), backward()))
+        before = torch.cuda.memory_reserved(block.device)
         with torch.cuda.graph(self.graph):
             self.out = forward()
         self.saved = held["saved"]   # the backward graph reads them where the forward graph writes them
@@ -219,10 +218,11 @@ class _GraphedBlockFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, graphed: GraphedTraining, rng_seed: int, rng_offset: int, x, *params):
+        out, ctx.generation = graphed.forward(x, rng_seed, rng_offset, params)
         ctx.graphed = graphed
-        return graphed.forward(x, rng_seed, rng_offset).detach()   # a new tensor on the static buffer
+        return out.detach()   # a new tensor on the static buffer
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_x, grads = ctx.graphed.backward(grad_out)
+        grad_x, grads = ctx.graphed.backward(grad_out, ctx.generation)
         return (None, None, None, grad_x, *grads)

@@ -5,6 +5,8 @@ several meshes, time against tp, a line per implementation, a panel per
 
 from __future__ import annotations
 
+import itertools
+
 import json
 import sys
 
@@ -48,7 +50,7 @@ def plot_scaling(reports: list[dict], path: str) -> None:
     for ax, ((name, what), reps) in zip(axes[0], panels.items()):
         reps = sorted(reps, key=lambda r: int(r["mesh"].split("x")[1]))
         tps = [int(r["mesh"].split("x")[1]) for r in reps]
-        others = iter(["#1f77b4", "#ff7f0e", "#7f7f7f", "#9467bd", "#8c564b"])
+        others = itertools.cycle(["#1f77b4", "#ff7f0e", "#7f7f7f", "#9467bd", "#8c564b", "#17becf", "#bcbd22"])
         for impl in dict.fromkeys(i for r in reps for i in r["results"]):
             pts = [(tp, r["results"][impl]["median_ms"]) for tp, r in zip(tps, reps) if impl in r["results"]]
             ax.plot(*zip(*pts), marker="o", label=impl, color="#76b900" if impl == "nvfuser" else next(others))

@@ -177,7 +177,7 @@ class ShardedBlock:
                              f" for rank {self.rank} of mesh {self.layout.dp}x{self.layout.tp}")
 
     def _validate_input(self, name: str, t) -> None:
-        if self.check_finite and isinstance(t, torch.Tensor):
+        if self.check_finite and isinstance(t, torch.Tensor) and not capturing():   # a sync: not in a graph
             check_finite(name, t)
         self._validate(name, t, self.input_shape())
 
@@ -193,9 +193,14 @@ class ShardedBlock:
             return [values[name] for name in names]
         keys = [name for name in names if name.startswith("key.")]
         if self._keys is None:
+            if not write_keys:   # under capture: the tensor would be made (zeros) by every replay
+                raise RuntimeError("the dropout keys were never written: call the block once before capturing it")
             self._keys = torch.zeros(len(keys), dtype=torch.int64, device=self.device)
         if write_keys:   # keys are below 2**62 (dropout.stream_key): int64 holds them
-            self._keys.copy_(torch.tensor([values[name] for name in keys], dtype=torch.int64))
+            host = torch.tensor([values[name] for name in keys], dtype=torch.int64)
+            if self._keys.is_cuda:   # pinned: the copy does not wait for the GPU (the allocator keeps it until done)
+                host = host.pin_memory()
+            self._keys.copy_(host, non_blocking=self._keys.is_cuda)
         views = {name: self._keys[i] for i, name in enumerate(keys)}
         return [views.get(name, values[name]) for name in names]
 
@@ -366,6 +371,7 @@ class TPBlock(torch.nn.Module):
         """Take a nanoGPT Block state_dict (global); keep this rank's shards as parameters."""
         self.runner.load(state)
         self.shards = torch.nn.ParameterList([torch.nn.Parameter(t) for t in self.runner._params])
+        self._graphed = None   # new parameters: a graph captured on the old ones is dropped
         return self
 
     def load_hf_gpt2(self, state: dict[str, torch.Tensor], layer: Optional[int] = None) -> "TPBlock":
