@@ -1,6 +1,9 @@
-"""The overlap model (tpfuser/overlap.py, `tpfuser plan --overlap N`)."""
+"""The overlap model (tpfuser/overlap.py, `tpfuser plan --overlap N`), its
+plain-PyTorch decomposition, and the overlapped linears' fusions (built here;
+tools/overlap_check.py runs them on a GPU)."""
 import json
 import math
+import re
 
 import pytest
 
@@ -98,3 +101,35 @@ def test_chunked_collectives_equal_the_whole_ones(world, tmp_path):
         r = dict(results[rank])
         assert r.pop("refused") is True
         assert all(v < 1e-12 for v in r.values()), (rank, r)
+
+
+def test_overlapped_row_parallel_linear_is_cut_into_stream_chunks():
+    """The row-parallel linear's tokens on a stream axis, its inner size over tp (nvFuser's
+    test_row_parallel_linear_forward, at the MLP's c_proj of tiny)."""
+    import torch
+    from tpfuser.fusion import row_parallel_overlapped
+    of = row_parallel_overlapped(64, 256, 64, tp=2, chunks=4, dtype=torch.float32)
+    h, w = (str(t) for t in of.inputs)
+    assert "istreamIdx" in h and "{4}" in h.split("istreamIdx")[1][:8] and "ideviceIdx.x" in h
+    assert "istreamIdx" not in w and "ideviceIdx.x" in w
+    assert of.kind == "row-parallel all-reduce" and (of.chunks, of.tp) == (4, 2)
+
+
+def test_overlapped_allgather_linear_streams_its_output_chunks():
+    import torch
+    from tpfuser.fusion import allgather_column_parallel_overlapped
+    of = allgather_column_parallel_overlapped(64, 64, 256, tp=2, chunks=4, dtype=torch.float32)
+    x = str(of.inputs[0])
+    assert x.startswith("T0_g_float[iS0{4}, ideviceIdx.x1{2}, iS2{8}, iS3{64}]")   # [chunks, tp, rows, n_in]
+    assert "istreamIdx" in str(of.output).split(",")[0]                           # the output's chunk axis
+
+
+@pytest.mark.parametrize("build, args, words", [
+    ("row_parallel_overlapped", (60, 256, 64, 2, 8), "chunks=8 must divide the tokens (60) and tp=2 the inner size (256)"),
+    ("row_parallel_overlapped", (64, 250, 64, 4, 2), "chunks=2 must divide the tokens (64) and tp=4 the inner size (250)"),
+    ("allgather_column_parallel_overlapped", (64, 64, 256, 4, 32), "chunks=32 x tp=4 must divide the tokens (64)"),
+])
+def test_overlap_fusions_refuse_what_does_not_divide(build, args, words):
+    import tpfuser.fusion as fusion
+    with pytest.raises(ValueError, match=re.escape(words)):
+        getattr(fusion, build)(*args)

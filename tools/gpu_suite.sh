@@ -11,6 +11,8 @@
 #           BISECT_EACH=1 then each output alone of a failing one
 #   mesh    every mesh checked to the end, forward and backward, its ranks sharing the GPU
 #           (tools/mesh_suite.py; MESH picks groups or jobs, default "tiny nanogpt gpt3"; bound MESH_S)
+#   overlap the overlapped linears of issue 17 (tools/overlap_check.py) at tp 2 and 4, side by side,
+#           ranks sharing the GPU (correctness and the communications posted; not speed); bound OVERLAP_S
 #   graphs  CUDA graphs: tests/test_gpu_graphs.py at 1x1, and `check --graphs` at 1x2 and 2x2
 #           (replays against the called block, bit for bit), side by side; bound GRAPHS_S
 # SUITE_S: no step starts after this many seconds. At most 8 files come back from
@@ -74,6 +76,15 @@ step_graphs() {
   done
   wait
   cat "$OUT/graphs_tests.txt"; grep -h -E "^(check|dtype|fp32|bf16|all|SOME)" "$OUT"/graphs_1x2.txt "$OUT"/graphs_2x2.txt | cut -c1-220
+}
+step_overlap() {
+  echo "== overlapped linears (issue 17): chunks on streams against the whole linear, ranks sharing the GPU"
+  for tp in 2 4; do
+    NVFUSER_MASTER_PORT=$((29800 + tp)) T ${OVERLAP_S:-300} -- torchrun --standalone --nproc-per-node $tp --no-python \
+      .nvf/share_gpu.sh python3 tools/overlap_check.py --json "$OUT/overlap_tp$tp.json" > "$OUT/overlap_tp$tp.txt" 2>&1 &
+  done
+  wait
+  grep -h "^rank 0" "$OUT"/overlap_tp*.txt | cut -c1-220
 }
 step_gpt3() {
   echo "== benchmark: gpt3 forward at 1x1 (fewer samples: ~11 ms a call)"

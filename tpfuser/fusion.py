@@ -546,3 +546,86 @@ def build_backward(cfg: BlockConfig, layout: Layout | None = None, outputs=None,
             schedule(bf, layout, row=dp_rank)
             bf.meshed = True
     return bf
+
+
+# ---------------------------------------------------------------------------
+# Overlapped linears (issue 17): one tensor-parallel linear and its collective
+# cut into `chunks` along the tokens, each chunk on its own stream
+# (ParallelType.stream), so that chunk i's collective runs beside another
+# chunk's GEMM. Standalone fusions of the block's shapes, written as nvFuser's
+# own overlap tests write them (tests/python/multidevice/test_overlap.py:
+# test_row_parallel_linear_forward, test_overlap_allgather_matmul_stream_outermost);
+# the whole block is not yet lowered this way. tools/overlap_check.py runs them.
+
+@dataclass
+class OverlapFusion:
+    fd: FusionDefinition
+    kind: str          # "row-parallel all-reduce" or "all-gather column-parallel"
+    chunks: int
+    tp: int
+    inputs: list = field(default_factory=list)
+    output: object = None
+
+
+def row_parallel_overlapped(tokens: int, n_in: int, n_out: int, tp: int, chunks: int,
+                            dtype: torch.dtype = torch.bfloat16) -> OverlapFusion:
+    """out [t, n_out] = h [t, n_in] @ W^T, h and W split on n_in over tp (the
+    MLP's c_proj: the partial sums all-reduced), the tokens cut into `chunks`
+    streams: each chunk's all-reduce follows its own GEMM. Run with
+    execute(..., _enable_options=["host_ir_lowering"]) (OVERLAP_OPTIONS)."""
+    if tokens % chunks or n_in % tp:
+        raise ValueError(f"row-parallel overlap: chunks={chunks} must divide the tokens ({tokens}) "
+                         f"and tp={tp} the inner size ({n_in})")
+    with FusionDefinition() as fd:
+        h = fd.define_tensor(shape=[tokens, n_in], contiguity=True, dtype=_NV_DTYPE[dtype])
+        w = fd.define_tensor(shape=[n_out, n_in], contiguity=True, dtype=_NV_DTYPE[dtype])
+        out = fd.ops.linear(h, w)
+        fd.add_output(out)
+        mesh = nvf.multidevice.DeviceMesh(torch.arange(tp))
+        for tv in (h, w):
+            tv.set_device_mesh(mesh)
+        h.outer_split(0, chunks)
+        h.axis(0).parallelize(ParallelType.stream)
+        h.outer_split(2, tp)
+        h.axis(2).parallelize(ParallelType.mesh_x)
+        w.outer_split(1, tp)
+        w.axis(1).parallelize(ParallelType.mesh_x)
+    return OverlapFusion(fd, "row-parallel all-reduce", chunks, tp, [h, w], out)
+
+
+def allgather_column_parallel_overlapped(tokens: int, n_in: int, n_out: int, tp: int, chunks: int,
+                                         dtype: torch.dtype = torch.bfloat16) -> OverlapFusion:
+    """Under sequence parallelism: out = all_gather(x) @ W^T + b, x's tokens split
+    over tp, each rank's slice cut into `chunks`; x is [chunks, tp, t/(chunks tp), n_in]
+    (rank r's local [chunks, rows, n_in] is its slice viewed so), W [n_out, n_in]
+    and b whole (a column-parallel shard). The output's chunk axis is a stream:
+    chunk i's all-gather runs beside chunk i-1's GEMM. Run with
+    nvfuser_direct.multidevice.MultiDeviceExecutor, as nvFuser's test does."""
+    if tokens % (chunks * tp):
+        raise ValueError(f"all-gather overlap: chunks={chunks} x tp={tp} must divide the tokens ({tokens})")
+    with FusionDefinition() as fd:
+        nv = _NV_DTYPE[dtype]
+        x = fd.define_tensor(shape=[chunks, tp, tokens // (chunks * tp), n_in], contiguity=True, dtype=nv)
+        w = fd.define_tensor(shape=[n_out, n_in], contiguity=True, dtype=nv)
+        b = fd.define_tensor(shape=[n_out], contiguity=True, dtype=nv)
+        out = fd.ops.linear(x, w, b)   # [chunks, tp, rows, n_out]
+        fd.add_output(out)
+        mesh = nvf.multidevice.DeviceMesh(torch.arange(tp))
+        for tv in (x, w, b, out):
+            tv.set_device_mesh(mesh)
+        x.axis(1).parallelize(ParallelType.mesh_x)
+        out.axis(0).parallelize(ParallelType.stream)
+    return OverlapFusion(fd, "all-gather column-parallel", chunks, tp, [x, w, b], out)
+
+
+OVERLAP_OPTIONS = {"_enable_options": ["host_ir_lowering"], "_disable_options": ["infer_contiguity"]}
+
+
+def run_allgather_overlapped(of: OverlapFusion, inputs: list):
+    """Execute an all-gather overlap fusion the way nvFuser's own test does."""
+    executor = getattr(of, "_executor", None)
+    if executor is None:
+        params = nvf.multidevice.MultiDeviceExecutorParams()
+        params.backend_type = nvf.CommunicatorBackend.nccl
+        executor = of._executor = nvf.multidevice.MultiDeviceExecutor(of.fd.fusion, params)
+    return executor.run(inputs)

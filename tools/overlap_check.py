@@ -1,0 +1,101 @@
+"""The overlapped linears of issue 17 (fusion.row_parallel_overlapped,
+fusion.allgather_column_parallel_overlapped) on every rank, for each number
+of chunks, against the same linear computed whole in float64 and against the
+1-chunk fusion (the chunking should change no sum: 1e-6 in fp32), with the
+communications nvFuser posted (NVFUSER_DUMP=communication, counted per call).
+
+    torchrun --standalone --nproc-per-node 2 --no-python .nvf/share_gpu.sh \
+        python3 tools/overlap_check.py [--chunks 1 2 4] [--json OUT.json]
+
+Shapes: nanogpt's MLP c_proj (row-parallel, tokens b*s = 2048) and c_fc under
+sequence parallelism (all-gather then column-parallel). Ranks sharing a GPU
+check correctness only; the overlap's speed needs a GPU per rank.
+"""
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("NVFUSER_DUMP", "communication")
+os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
+import torch  # noqa: E402
+
+from tpfuser.commlog import captured_communications, error_line  # noqa: E402
+from tpfuser.fusion import (OVERLAP_OPTIONS, allgather_column_parallel_overlapped,  # noqa: E402
+                            row_parallel_overlapped, run_allgather_overlapped)
+
+
+def rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def row_parallel(rank, tp, chunks, t, e, dtype):
+    torch.manual_seed(0)
+    h = torch.randn(t, 4 * e, dtype=dtype)
+    w = torch.randn(e, 4 * e, dtype=dtype) / (4 * e) ** 0.5
+    exact = h.double() @ w.double().T
+    h_local, w_local = (m.chunk(tp, dim=1)[rank].contiguous().cuda() for m in (h, w))
+    outs = {}
+    for n in sorted({1, chunks}):
+        of = row_parallel_overlapped(t, 4 * e, e, tp, n, dtype)
+        with captured_communications() as posted:
+            (outs[n],) = of.fd.execute([h_local, w_local], **OVERLAP_OPTIONS)
+        outs[n], outs[f"posted{n}"] = outs[n].cpu(), len(posted)
+    return {"rel_err": rel(outs[chunks], exact), "vs_one_chunk": rel(outs[chunks], outs[1]),
+            "posted": outs[f"posted{chunks}"]}
+
+
+def allgather_column(rank, tp, chunks, t, e, dtype):
+    torch.manual_seed(1)
+    x = torch.randn(t, e, dtype=dtype)                        # the tokens, rank-major over tp
+    w = torch.randn(4 * e, e, dtype=dtype) / e ** 0.5
+    b = torch.randn(4 * e, dtype=dtype) * 0.1
+    exact = x.double() @ w.double().T + b.double()
+    outs = {}
+    for n in sorted({1, chunks}):
+        of = allgather_column_parallel_overlapped(t, e, 4 * e, tp, n, dtype)
+        local = x.chunk(tp, dim=0)[rank].reshape(n, 1, t // (n * tp), e).contiguous().cuda()   # its slice, in chunks
+        with captured_communications() as posted:
+            (out,) = run_allgather_overlapped(of, [local, w.cuda(), b.cuda()])
+        # [n, tp, rows, 4e] -> the tokens rank-major: (tp, n, rows) -> t
+        outs[n] = out.cpu().permute(1, 0, 2, 3).reshape(t, 4 * e)
+        outs[f"posted{n}"] = len(posted)
+    return {"rel_err": rel(outs[chunks], exact), "vs_one_chunk": rel(outs[chunks], outs[1]),
+            "posted": outs[f"posted{chunks}"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="overlap_check")
+    ap.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--n-embd", type=int, default=1600)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    import nvfuser_direct as nvf
+    comm = nvf.multidevice.Communicator.instance()
+    tp, rank = comm.size(), comm.rank()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    rows = []
+    for kind, fn in (("row-parallel all-reduce", row_parallel), ("all-gather column-parallel", allgather_column)):
+        for chunks in args.chunks:
+            row = {"kind": kind, "tp": tp, "chunks": chunks, "rank": rank}
+            try:
+                row |= fn(rank, tp, chunks, args.tokens, args.n_embd, torch.float32)
+                row["ok"] = row["rel_err"] < 1e-5 and row["vs_one_chunk"] < 1e-6
+            except Exception as e:  # noqa: BLE001 - reported, the other cases run
+                row |= {"ok": False, "error": f"{type(e).__name__}: {error_line(e)}"}
+            rows.append(row)
+            print(f"rank {rank} tp {tp} {kind:<28} chunks {chunks}: " +
+                  (f"error {row['error'][:300]}" if "error" in row else
+                   f"rel err {row['rel_err']:.1e}, vs 1 chunk {row['vs_one_chunk']:.1e}, "
+                   f"{row['posted']} communications posted, {'ok' if row['ok'] else 'FAIL'}"), flush=True)
+            if args.json and rank == 0:
+                with open(args.json, "w") as f:
+                    json.dump({"rows": rows, "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}, f,
+                              indent=1)
+    sys.stdout.flush()
+    os._exit(0 if all(r["ok"] for r in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()
