@@ -6,7 +6,8 @@
 # ONLY="fwd+bwd train" picks the steps, in order; steps joined by + run at once:
 #   tests  pytest -m gpu on TESTS (default tests/), narrowed by K, bound TESTS_S (s)
 #   fwd, bwd, bwdmesh   the forward tests; the backward's without and with a mesh (BWD_K narrows)
-#   train, bench, gpt3  benchmarks: nanogpt fwd+bwd, nanogpt fwd, gpt3 fwd (ITERS samples, 30)
+#   train, bench, gpt3  benchmarks: nanogpt fwd+bwd, nanogpt fwd, gpt3 fwd (ITERS samples, 30);
+#           bounds TRAIN_S, BENCH_S (the graph peers add torch.compile's and the captures' time)
 #   bisect  the meshed backward in each of BISECT_DTYPES ("bf16 fp32") at once, bound BISECT_S,
 #           BISECT_EACH=1 then each output alone of a failing one
 #   mesh    every mesh checked to the end, forward and backward, its ranks sharing the GPU
@@ -47,11 +48,11 @@ step_bwd() { echo "== GPU tests (1x1): the backward without a mesh"; pytest_gpu 
 step_bwdmesh() { echo "== GPU tests (1x1): the backward on a mesh"; pytest_gpu tests_bwdmesh tests/test_gpu_backward.py "${BWD_K:+($BWD_K) and }mesh"; }
 step_train() {
   echo "== benchmark: nanogpt forward+backward (a training step), with peak and saved memory"
-  T 240 -- python3 -m tpfuser.bench --preset nanogpt --train --profile --json "$OUT/bench_nanogpt_train.json" --iters ${ITERS:-30} 2>&1 | tee "$OUT/train.log"
+  T ${TRAIN_S:-360} -- python3 -m tpfuser.bench --preset nanogpt --train --profile --json "$OUT/bench_nanogpt_train.json" --iters ${ITERS:-30} 2>&1 | tee "$OUT/train.log"
 }
 step_bench() {
   echo "== benchmark: nanogpt forward, nvFuser (1x1 mesh, and no mesh) vs eager vs torch.compile"
-  T 300 -- python3 -m tpfuser.bench --preset nanogpt --profile --json "$OUT/bench_nanogpt.json" --iters $((${ITERS:-30} * 3))
+  T ${BENCH_S:-420} -- python3 -m tpfuser.bench --preset nanogpt --profile --json "$OUT/bench_nanogpt.json" --iters $((${ITERS:-30} * 3))
 }
 step_bisect() {
   echo "== the meshed backward (1x1) in each dtype at once; then each output alone of the failing ones"
