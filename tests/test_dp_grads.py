@@ -1,5 +1,5 @@
 """The parameter gradients' sum over dp, after the backward fusion
-(ShardedBlock._sum_over_dp, launch.dp_group), on the CPU: four gloo ranks of
+(ShardedBlock._sum_over_dp, world.dp_group), on the CPU: four gloo ranks of
 a 2x2 layout, each summing with the rank holding its tp shard in the other dp
 row; and the benchmark's per-sample slowest rank (bench._slowest_rank)."""
 import os
@@ -13,7 +13,7 @@ from tpfuser.config import Layout, preset
 
 def _rank(rank, world, init_file, results):
     import torch.distributed as dist
-    from tpfuser.launch import dp_group
+    from tpfuser.world import dp_group
     from tpfuser.runtime import ShardedBlock
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:

@@ -1,4 +1,4 @@
-"""Launch plumbing: torchrun and mpirun variables, the relaunch command."""
+"""Launch plumbing: torchrun and mpirun variables (world.py), the relaunch command (launch.py)."""
 import os
 import subprocess
 import sys
@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from tpfuser import launch
+from tpfuser import launch, world
 from tpfuser.config import Layout
 
 
@@ -24,15 +24,15 @@ def test_rank_info_reads_torchrun_and_mpirun(monkeypatch, env, expected):
         monkeypatch.delenv(name, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    info = launch.rank_info()
+    info = world.rank_info()
     assert (info["rank"], info["world_size"], info["local_rank"], info["local_world_size"]) == expected
-    assert launch.in_launcher() == bool(env)
+    assert world.in_launcher() == bool(env)
 
 
 def test_world_of_one_described_by_tpfuser_is_not_a_launcher(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("TPFUSER_SINGLE_PROCESS", "1")
-    assert not launch.in_launcher()
+    assert not world.in_launcher()
 
 
 def test_torchrun_command():
@@ -193,7 +193,7 @@ def test_inconsistent_launch_refused_naming_the_variables(monkeypatch, env, layo
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     with pytest.raises(ValueError) as err:
-        launch.check_launch(layout, nvfuser=False)
+        world.check_launch(layout, nvfuser=False)
     assert str(err.value).startswith(message), str(err.value)
 
 
@@ -204,7 +204,7 @@ def test_launcher_without_cuda_refused_before_nvfuser(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match=r"under a launcher \(WORLD_SIZE=2\) on a machine without a CUDA device"):
-        launch.check_launch(Layout(1, 2))
-    launch.check_launch(Layout(1, 2), nvfuser=False)   # plan imports no nvFuser: fine
+        world.check_launch(Layout(1, 2))
+    world.check_launch(Layout(1, 2), nvfuser=False)   # plan imports no nvFuser: fine
     monkeypatch.delenv("WORLD_SIZE")
-    launch.check_launch(Layout(1, 2))   # outside a launcher: nothing to check
+    world.check_launch(Layout(1, 2))   # outside a launcher: nothing to check

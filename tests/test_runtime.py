@@ -5,7 +5,8 @@ import torch
 from tpfuser.cli import NO_GPU, main
 from tpfuser.config import Layout, preset
 from tpfuser.reference import make_block
-from tpfuser.runtime import ShardedBlock, check_world
+from tpfuser.runtime import ShardedBlock
+from tpfuser.world import check_world
 
 
 @pytest.fixture

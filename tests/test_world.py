@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from tpfuser import launch, world
+from tpfuser import world
 
 WORLD_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NVFUSER_MASTER_ADDR", "NVFUSER_MASTER_PORT",
               "OMPI_COMM_WORLD_SIZE", world.SINGLE_PROCESS_MARK)
@@ -47,7 +47,7 @@ def test_a_process_alone_describes_a_world_of_one(no_world, monkeypatch):
     assert world.describe_single_process()
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("0", "1")
     assert int(os.environ["NVFUSER_MASTER_PORT"]) > 0
-    assert not launch.in_launcher()              # its own description, not a launcher's
+    assert not world.in_launcher()              # its own description, not a launcher's
     assert not world.describe_single_process()   # once
 
 

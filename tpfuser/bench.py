@@ -11,7 +11,7 @@ On a dp x tp mesh every rank times its share; a sample is the slowest rank's.
 eager and compile run the whole block on the rank's b/dp rows (no tensor
 parallelism); dtensor is the reference block parallelized by PyTorch over tp
 (tpfuser/peers.py). In a training step with dp > 1 every implementation sums
-its parameter gradients over dp (runtime.sum_over_group, as DDP would).
+its parameter gradients over dp (world.sum_over_group, as DDP would).
 
 Each is also timed replayed from a CUDA graph: nvfuser-graph (tpfuser.graphs,
 new masks each replay), eager-graph (eager captured by hand) and
@@ -197,7 +197,7 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
           progress: bool = True, train: bool = False, layout: Layout = Layout(), rank: int = 0, groups=None,
           profile: bool = False) -> dict:
     """Time the implementations on this rank; with dp * tp > 1, under a launcher,
-    torch.distributed initialized and `groups` from launch.rank_groups. profile:
+    torch.distributed initialized and `groups` from world.rank_groups. profile:
     also say what each call's time goes to (kernel_summary, rank 0's)."""
     overrides = {"dtype": "bf16"} | ({} if dropout is None else {"dropout": dropout})
     cfg = preset(preset_name, **overrides)
@@ -324,7 +324,8 @@ class graphed_callable:
 def _train_fns(cfg, ref, x, impls, layout, rank, groups):
     """One training step each (forward, backward, parameter gradients summed
     over dp when dp > 1, then dropped), and its peak memory and saved-activation bytes."""
-    from tpfuser.runtime import TPBlock, sum_over_group
+    from tpfuser.runtime import TPBlock
+    from tpfuser.world import sum_over_group
     grad = torch.randn_like(x)
     x = x.detach().requires_grad_(True)   # as inside a model: every implementation computes the input's gradient
     fns, memory, forwards, failed = {}, {}, {}, {}
@@ -396,7 +397,7 @@ def _train_fns(cfg, ref, x, impls, layout, rank, groups):
 def _graphed_train_fns(cfg, ref, x, grad, impls, layout, rank, groups):
     """Training steps replayed from one CUDA graph each: {impl: (step, graph pool bytes)}.
     Gradients summed over dp after the replay where dp > 1 (a gloo group)."""
-    from tpfuser.runtime import sum_over_group
+    from tpfuser.world import sum_over_group
     out = {}
     if "nvfuser-graph" in impls:
         from tpfuser.graphs import GraphedTrainStep
@@ -464,10 +465,11 @@ def run(args, argv) -> int:
         check_impls(impls or (), layout)
         check_writable(args.json, "--json")
         check_writable(args.png, "--png")
-        from tpfuser.launch import check_launch, in_launcher
+        from tpfuser.world import check_launch, in_launcher
         check_launch(layout)
         if layout.world_size > 1:
-            from tpfuser.launch import init_rank, rank_groups, relaunch
+            from tpfuser.launch import relaunch
+            from tpfuser.world import init_rank, rank_groups
             if not in_launcher():   # one rank per GPU under torchrun, or a clear refusal
                 return relaunch(layout, ["bench", *argv], share_gpu=args.share_gpu)
             rank = init_rank(layout)

@@ -76,8 +76,8 @@ _IMPORTS_NVFUSER = {"show": True, "plan": False, "check": True, "main": True}
 def preflight(args) -> None:
     """What can be refused before any work is: the block and layout, output
     paths, a launch that contradicts itself or the mesh, a launch without CUDA
-    (launch.check_launch), `check` without a GPU."""
-    from tpfuser.launch import check_launch
+    (world.check_launch), `check` without a GPU."""
+    from tpfuser.world import check_launch
     cfgs, layout = _check_cfgs(args)
     if getattr(args, "overlap", None) is not None:
         from tpfuser.overlap import check_chunks, check_rates
@@ -129,7 +129,8 @@ def cmd_check(args) -> int:
     cfgs, layout = _check_cfgs(args)
     if args.collectives:   # before nvFuser is imported: it reads its options once
         os.environ["NVFUSER_DUMP"] = ",".join(filter(None, [os.environ.get("NVFUSER_DUMP"), "communication"]))
-    from tpfuser.launch import in_launcher, relaunch
+    from tpfuser.launch import relaunch
+    from tpfuser.world import in_launcher
     if layout.world_size > 1 and not in_launcher():
         if args.share_gpu:
             import torch

@@ -121,7 +121,7 @@ class GraphedTrainStep(_Graphed):
         self.dp_sum_captured = self.dp_sum_after = False
         if block.layout.dp > 1:
             if block.dp_group is None:
-                raise ValueError(f"dp={block.layout.dp}: pass ShardedBlock(dp_group=launch.dp_group(layout, rank))")
+                raise ValueError(f"dp={block.layout.dp}: pass ShardedBlock(dp_group=world.dp_group(layout, rank))")
             import torch.distributed as dist
             self.dp_sum_captured = dist.get_backend(block.dp_group) == "nccl"
             self.dp_sum_after = not self.dp_sum_captured
@@ -159,7 +159,7 @@ class GraphedTraining(_Graphed):
     def __init__(self, block: ShardedBlock):
         super().__init__(block)
         if block.layout.dp > 1 and block.dp_group is None:
-            raise ValueError(f"dp={block.layout.dp}: pass dp_group=launch.dp_group(layout, rank)")
+            raise ValueError(f"dp={block.layout.dp}: pass dp_group=world.dp_group(layout, rank)")
         shape, dtype = block.input_shape(), block.cfg.torch_dtype
         self.x = torch.zeros(shape, dtype=dtype, device=block.device)
         self.grad_out = torch.zeros(shape, dtype=dtype, device=block.device)

@@ -1,9 +1,7 @@
-"""One launch path for torchrun and mpirun; `--dp/--tp` outside a launcher
-re-executes the same command under torchrun over the local GPUs.
-
-nvFuser's Communicator reads RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE
-(torchrun) or OMPI_COMM_WORLD_* (mpirun), and NVFUSER_MASTER_ADDR / _PORT for
-its TCP store; we derive those from torchrun's MASTER_ADDR / MASTER_PORT.
+"""The launcher: `--dp/--tp` outside torchrun or mpirun re-executes the same
+command under torchrun over the local GPUs (relaunch), every rank bounded in
+time and ended together (run_bounded); what ranks sharing one GPU need in
+memory. A rank's own place in the world is world.py's.
 """
 
 from __future__ import annotations
@@ -25,114 +23,6 @@ TIMEOUT_VAR = "TPFUSER_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
 # Between SIGTERM and SIGKILL: time for torchrun to stop its ranks and NCCL to let go.
 GRACE_S = 10.0
-
-_RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK")
-_SIZE_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE")
-_LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
-_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
-
-
-def _env_int(names, default: int) -> tuple[int, str]:
-    """(value, the variable it came from) of the first of `names` set; (default, 'NAME (unset)') otherwise."""
-    for n in names:
-        if n in os.environ:
-            text = os.environ[n]
-            try:
-                value = int(text)
-            except ValueError:
-                raise ValueError(f"{n}={text!r}: must be an int (the launcher sets it)") from None
-            if value < 0:
-                raise ValueError(f"{n}={value}: must be >= 0")
-            return value, f"{n}={value}"
-    return default, f"{names[0]} (unset: {default})"
-
-
-def in_launcher() -> bool:
-    """True under torchrun or mpirun (not in the world of one world.describe_single_process describes)."""
-    return SINGLE_PROCESS_MARK not in os.environ and any(n in os.environ for n in _SIZE_VARS)
-
-
-def rank_info() -> dict[str, int]:
-    """This process's place in the launch, from torchrun's or mpirun's variables;
-    refused, naming them, when they contradict each other."""
-    (rank, r), (world, w) = _env_int(_RANK_VARS, 0), _env_int(_SIZE_VARS, 1)
-    (local_rank, lr), (local_world, lw) = _env_int(_LOCAL_RANK_VARS, 0), _env_int(_LOCAL_SIZE_VARS, 1)
-    for value, what in ((world, w), (local_world, lw)):
-        if value < 1:
-            raise ValueError(f"{what}: must be >= 1")
-    for (a, a_what), (b, b_what) in (((rank, r), (world, w)), ((local_rank, lr), (local_world, lw))):
-        if a >= b:
-            raise ValueError(f"{a_what} with {b_what}: a rank must be below its world size")
-    if local_world > world:
-        raise ValueError(f"{lw} with {w}: more ranks on this node than in the world")
-    return {"rank": rank, "world_size": world, "local_rank": local_rank, "local_world_size": local_world}
-
-
-def check_launch(layout: Layout | None = None, nvfuser: bool = True) -> None:
-    """Under torchrun or mpirun, before any work: the launcher's variables agree
-    with each other (rank_info) and, given the layout the ranks will run, with
-    dp*tp; and, when the command will import nvFuser, there is a CUDA device:
-    without one nvFuser's Communicator, which reads the same variables, aborts
-    the process at exit (an internal assert, exit 134). Nothing outside a launcher."""
-    if not in_launcher():
-        return
-    info = rank_info()
-    if layout is not None and info["world_size"] != layout.world_size:
-        var = next(n for n in _SIZE_VARS if n in os.environ)
-        raise ValueError(f"{var}={info['world_size']} != dp*tp = {layout.dp}*{layout.tp} = {layout.world_size}; "
-                         f"launch exactly {layout.world_size} ranks")
-    if nvfuser:
-        import torch
-        if not torch.cuda.is_available():
-            var = next(n for n in _SIZE_VARS if n in os.environ)
-            raise ValueError(f"under a launcher ({var}={info['world_size']}) on a machine without a CUDA device: "
-                             f"nvFuser's multi-device runtime needs one; run `tpfuser show` or `tpfuser plan` "
-                             f"without the launcher")
-
-
-def init_rank(layout: Layout) -> int:
-    """Validate the launch against the mesh, pick this rank's GPU, return the rank."""
-    import torch
-    from tpfuser.runtime import check_world
-    check_launch(layout)
-    info = rank_info()
-    check_world(layout, info["world_size"], torch.cuda.device_count(), info["local_world_size"])
-    if "MASTER_ADDR" in os.environ:
-        os.environ.setdefault("NVFUSER_MASTER_ADDR", os.environ["MASTER_ADDR"])
-    if "MASTER_PORT" in os.environ:
-        # nvFuser's store must not collide with torchrun's own on MASTER_PORT.
-        os.environ.setdefault("NVFUSER_MASTER_PORT", str(int(os.environ["MASTER_PORT"]) + 1))
-    torch.cuda.set_device(info["local_rank"])
-    return info["rank"]
-
-
-def dp_group(layout: Layout, rank: int):
-    """This rank's dp group: the ranks holding the same tp shards (one per dp
-    row), over which the backward sums parameter gradients. Every rank must call
-    it (torch.distributed creates all groups collectively); torch.distributed
-    must be initialized."""
-    import torch.distributed as dist
-    mine = None
-    for t in range(layout.tp):
-        group = dist.new_group([d * layout.tp + t for d in range(layout.dp)])
-        if rank % layout.tp == t:
-            mine = group
-    return mine
-
-
-def rank_groups(layout: Layout, rank: int):
-    """torch.distributed (NCCL) for this rank, and its groups: .tp and .dp (this
-    rank's row and column of the mesh) and .tp_mesh (a torch DeviceMesh over its
-    tp row, for DTensor). Called by every rank after init_rank."""
-    from types import SimpleNamespace
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    if not dist.is_initialized():
-        dist.init_process_group("nccl")
-    # Ranks laid out as the fusion's mesh (rank = dp_rank * tp + tp_rank); its groups are DTensor's too.
-    mesh = init_device_mesh("cuda", (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
-    return SimpleNamespace(tp=mesh.get_group("tp"), dp=mesh.get_group("dp"), tp_mesh=mesh["tp"])
-
 
 def torchrun_command(layout: Layout, argv: list[str], environ: dict[str, str],
                      shared_gpus: int = 0) -> tuple[list[str], dict[str, str]]:

@@ -55,7 +55,7 @@ def run_checks(cfgs: list[BlockConfig], layout: Layout, args) -> int:
     rank's results, prints them and rewrites args.json, so that a run ended at
     its time bound keeps the cases it finished. Exit code 0 when every rank
     passed every case."""
-    from tpfuser.launch import dp_group, init_rank
+    from tpfuser.world import dp_group, init_rank
     rank = init_rank(layout)
     group = None
     if layout.world_size > 1:

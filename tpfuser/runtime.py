@@ -23,7 +23,7 @@ from tpfuser.reference import PARAM_NAMES, param_shapes
 from tpfuser.shard import fusion_params, local_slice, rank_params, slice_starts
 from tpfuser.tensors import MASKS
 from tpfuser.weights import check_finite, check_nanogpt, check_tensor, from_hf_gpt2
-from tpfuser.world import describe_single_process
+from tpfuser.world import describe_single_process, gather_output, sum_over_group
 
 # The tensors each dropout stream masks (fusion.MASK_STARTS, plan.placements).
 MASKED = {stream: mask.name for stream, mask in MASKS.items()}
@@ -65,16 +65,6 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def check_world(layout: Layout, world_size: int, local_gpus: Optional[int] = None, local_ranks: Optional[int] = None) -> None:
-    """Fail before any GPU work when the launch cannot host the mesh."""
-    if world_size != layout.world_size:
-        raise ValueError(f"world size {world_size} != dp*tp = {layout.dp}*{layout.tp} = {layout.world_size}; "
-                         f"launch exactly {layout.world_size} ranks")
-    if local_gpus is not None and local_ranks is not None and local_ranks > local_gpus:
-        raise ValueError(f"{local_ranks} ranks on this node but only {local_gpus} CUDA device(s) visible")
-
-
-
 class ShardedBlock:
     """One rank's share of the block forward on a dp x tp mesh."""
 
@@ -83,7 +73,7 @@ class ShardedBlock:
                  dp_group=None, check_finite: bool = False, keys_on_device: bool = False):
         """mesh=False (1x1 only) builds the fusion without a device mesh: the
         same math, run by nvFuser's single-device executor (see NOTES.md).
-        dp_group: the torch.distributed group of this rank's dp replicas (launch.dp_group),
+        dp_group: the torch.distributed group of this rank's dp replicas (world.dp_group),
         over which backward sums the parameter gradients; needed when dp > 1.
         check_finite: refuse an input (x, grad_out) holding NaN or inf; off by
         default, since reading the count back waits for the GPU on every call.
@@ -260,7 +250,7 @@ class ShardedBlock:
         (sum_over_dp=False: this rank's rows only, the caller sums)."""
         if sum_over_dp and self.layout.dp > 1 and self.dp_group is None:
             raise ValueError(f"dp={self.layout.dp}: the parameter gradients are summed over dp after the backward "
-                             f"fusion; pass ShardedBlock(dp_group=launch.dp_group(layout, rank))")
+                             f"fusion; pass ShardedBlock(dp_group=world.dp_group(layout, rank))")
         inputs = self.backward_inputs(grad_out, x, saved, params)
         if self._backward_fusion is None:
             self._backward_fusion = build_backward(self.cfg, self._mesh_layout, dp_rank=self.dp_rank)
@@ -280,43 +270,6 @@ class ShardedBlock:
             raise ValueError(f"saved: expected {len(saved_names(self.cfg))} tensors "
                              f"({', '.join(saved_names(self.cfg))}), got {len(saved)}")
         return [grad_out.contiguous(), x.contiguous(), *params, *(t.contiguous() for t in saved)]
-
-
-def sum_over_group(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
-    """Each tensor summed over a torch.distributed group in one all-reduce:
-    flattened together, summed in fp32 (through the CPU where the group is
-    gloo's), each returned in its own dtype and shape. The dp sum of parameter
-    gradients (as DDP's buckets do it)."""
-    import torch.distributed as dist
-    flat = torch.cat([t.reshape(-1).float() for t in tensors])
-    on = flat.cpu() if dist.get_backend(group) == "gloo" else flat
-    dist.all_reduce(on, group=group)
-    flat = on.to(flat.device)
-    out, at = [], 0
-    for t in tensors:
-        out.append(flat[at:at + t.numel()].view_as(t).to(t.dtype))
-        at += t.numel()
-    return out
-
-
-def gather_output(local: torch.Tensor, layout: Layout, name: str = "out", group=None) -> torch.Tensor:
-    """Every rank's shard of a tensor named in plan.placements (an output, a
-    parameter or its gradient), reassembled into the global tensor on
-    every rank (for checking; it moves the whole tensor). Uses torch.distributed
-    (any backend; the shards travel through the CPU), which the caller
-    initializes; with a world of one it returns the local tensor."""
-    import torch.distributed as dist
-    from tpfuser.shard import gather
-    if layout.world_size == 1:
-        return local
-    if not dist.is_initialized():
-        raise RuntimeError("gather_output needs torch.distributed initialized (e.g. init_process_group('gloo'))")
-    if dist.get_world_size(group) != layout.world_size:
-        raise ValueError(f"world size {dist.get_world_size(group)} != dp*tp = {layout.world_size}")
-    shards: list = [None] * layout.world_size
-    dist.all_gather_object(shards, local.detach().cpu(), group=group)
-    return gather(shards, placements(layout)[name], layout)
-
 
 
 class _BlockFunction(torch.autograd.Function):
