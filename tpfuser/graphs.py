@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from tpfuser.runtime import ShardedBlock, sum_over_group
+from tpfuser.runtime import ShardedBlock
+from tpfuser.world import sum_over_group
 
 
 def _check_block(block: ShardedBlock) -> None:
