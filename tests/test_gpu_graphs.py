@@ -16,14 +16,13 @@ def _full_precision(no_tf32):
 
 
 def blocks(cfg):
-    """A called block with host keys, one with device keys, and the graphed forward of a third."""
+    """A called block with host keys, one with device keys, and the latter's graphed forward."""
     from tpfuser.graphs import GraphedForward
     from tpfuser.runtime import ShardedBlock
     state = make_block(cfg).state_dict()
     host = ShardedBlock(cfg, check=True).load(state)
     device = ShardedBlock(cfg, check=True, keys_on_device=True).load(state)
-    graphed = GraphedForward(ShardedBlock(cfg, check=True, keys_on_device=True).load(state))
-    return host, device, graphed
+    return host, device, GraphedForward(device)
 
 
 def cloned(outputs):
@@ -58,8 +57,8 @@ def test_train_step_replay_equals_the_called_block(dtype, record):
     from tpfuser.runtime import ShardedBlock
     cfg = preset("tiny", dtype=dtype)   # dropout 0.1
     state = make_block(cfg).state_dict()
-    called = ShardedBlock(cfg, keys_on_device=True).load(state)   # the same fusions as the graph's
-    step = GraphedTrainStep(ShardedBlock(cfg, keys_on_device=True).load(state))
+    called = ShardedBlock(cfg, keys_on_device=True).load(state)   # called and graphed: the same fusions
+    step = GraphedTrainStep(called)
     x = called.shard_input(make_input(cfg))
     grad_out = torch.randn_like(x)
     results = {}
