@@ -361,37 +361,35 @@ def _train_fns(cfg, ref, x, impls, layout, rank, groups):
                 p.grad = None
             x.grad = None
         try:
-            for _ in range(3):
-                step()
+            memory[impl] = {"peak_mib_above_baseline": _warm_then_peak(step)}
         except Exception as e:  # e.g. nvFuser failing to compile: report it, time the others
             failed[impl] = failure(e)
             continue
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        memory[impl] = {"peak_mib_above_baseline": (torch.cuda.max_memory_allocated() - base) / 2**20}
         if impl != "compile-reduce-overhead":   # a forward left without its backward upsets its graph trees
             memory[impl]["saved_activation_mib"] = saved_activation_bytes(fwd, ps) / 2**20
         fns[impl] = step
     graphed = _graphed_train_fns(cfg, ref, x, grad, impls, layout, rank, groups)
     for impl, (step, pool) in graphed.items():
         try:
-            for _ in range(3):
-                step()
+            memory[impl] = {"peak_mib_above_baseline": _warm_then_peak(step), "graph_pool_mib": pool() / 2**20}
         except Exception as e:
             failed[impl] = failure(e)
             continue
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        memory[impl] = {"peak_mib_above_baseline": (torch.cuda.max_memory_allocated() - base) / 2**20,
-                        "graph_pool_mib": pool() / 2**20}
         fns[impl] = step
     return fns, memory, failed
+
+
+def _warm_then_peak(step) -> float:
+    """Three steps to warm up, then one more: its peak memory above what was
+    allocated before it, in MiB."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def _graphed_train_fns(cfg, ref, x, grad, impls, layout, rank, groups):
