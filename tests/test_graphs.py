@@ -97,3 +97,13 @@ def test_tp_block_graphs_need_cuda():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device"):
             model(torch.zeros(4, 16, 64))
+
+
+def test_graphed_training_steps_refuse_dp_without_a_group(monkeypatch):
+    """With dp > 1 the gradients are summed over dp: no group is refused when the graph is made."""
+    from tpfuser.graphs import GraphedTraining, GraphedTrainStep
+    block = ShardedBlock(preset("tiny", dropout=0.0), Layout(2, 1), device=torch.device("cpu"))   # before CUDA is faked
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for graphed in (GraphedTrainStep, GraphedTraining):
+        with pytest.raises(ValueError, match=r"dp=2: the gradients are summed over dp; build the block"):
+            graphed(block)

@@ -20,13 +20,10 @@ os.environ.setdefault("NVFUSER_DUMP", "communication")
 os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
 import torch  # noqa: E402
 
+from tpfuser.check import rel_l2  # noqa: E402
 from tpfuser.commlog import captured_communications, error_line  # noqa: E402
 from tpfuser.fusion import (OVERLAP_OPTIONS, allgather_column_parallel_overlapped,  # noqa: E402
                             row_parallel_overlapped, run_allgather_overlapped)
-
-
-def rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def row_parallel(rank, tp, chunks, t, e, dtype):
@@ -41,7 +38,7 @@ def row_parallel(rank, tp, chunks, t, e, dtype):
         with captured_communications() as posted:
             (outs[n],) = of.fd.execute([h_local, w_local], **OVERLAP_OPTIONS)
         outs[n], outs[f"posted{n}"] = outs[n].cpu(), len(posted)
-    return {"rel_err": rel(outs[chunks], exact), "vs_one_chunk": rel(outs[chunks], outs[1]),
+    return {"rel_err": rel_l2(outs[chunks], exact), "vs_one_chunk": rel_l2(outs[chunks], outs[1]),
             "posted": outs[f"posted{chunks}"]}
 
 
@@ -60,7 +57,7 @@ def allgather_column(rank, tp, chunks, t, e, dtype):
         # [n, tp, rows, 4e] -> the tokens rank-major: (tp, n, rows) -> t
         outs[n] = out.cpu().permute(1, 0, 2, 3).reshape(t, 4 * e)
         outs[f"posted{n}"] = len(posted)
-    return {"rel_err": rel(outs[chunks], exact), "vs_one_chunk": rel(outs[chunks], outs[1]),
+    return {"rel_err": rel_l2(outs[chunks], exact), "vs_one_chunk": rel_l2(outs[chunks], outs[1]),
             "posted": outs[f"posted{chunks}"]}
 
 

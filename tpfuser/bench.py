@@ -22,6 +22,7 @@ and in a training step the memory a graph's pool holds.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -265,20 +266,35 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
     return rep
 
 
+def _step_offsets():
+    """A new dropout offset for each call, as a training loop's step counter."""
+    return itertools.cycle(range(100_000))
+
+
+def _reduce_overhead(ref, x, p):
+    """The reference block's forward under torch.compile's CUDA-graph mode; each
+    call marked a new step for its graph trees (no earlier step's outputs or
+    pending backward kept)."""
+    reduced = torch.compile(sdpa_forward, mode="reduce-overhead")
+
+    def call():
+        torch.compiler.cudagraph_mark_step_begin()
+        return reduced(ref, x, p)
+    return call
+
+
 def _forward_fns(cfg, ref, x, impls, layout, rank, groups):
     fns = {}
     for impl, mesh in (("nvfuser", True), ("nvfuser-nomesh", False)):
         if impl in impls:
             from tpfuser.runtime import ShardedBlock
             nv = ShardedBlock(cfg, layout, rank, mesh=mesh).load(ref.state_dict())
-            steps = iter(range(1 << 30))
-            fns[impl] = lambda nv=nv, steps=steps: nv(x, 1234, next(steps) % 100_000)["out"]
+            fns[impl] = lambda nv=nv, steps=_step_offsets(): nv(x, 1234, next(steps))["out"]
     if "nvfuser-graph" in impls:
         from tpfuser.graphs import GraphedForward
         from tpfuser.runtime import ShardedBlock
         graphed = GraphedForward(ShardedBlock(cfg, layout, rank, keys_on_device=True).load(ref.state_dict()))
-        steps = iter(range(1 << 30))
-        fns["nvfuser-graph"] = lambda: graphed(x, 1234, next(steps) % 100_000)["out"]
+        fns["nvfuser-graph"] = lambda steps=_step_offsets(): graphed(x, 1234, next(steps))["out"]
     if "eager" in impls:
         fns["eager"] = lambda: sdpa_forward(ref, x, cfg.dropout)
     if "eager-graph" in impls:
@@ -287,12 +303,7 @@ def _forward_fns(cfg, ref, x, impls, layout, rank, groups):
         compiled = torch.compile(sdpa_forward)
         fns["compile"] = lambda: compiled(ref, x, cfg.dropout)
     if "compile-reduce-overhead" in impls:
-        reduced = torch.compile(sdpa_forward, mode="reduce-overhead")
-
-        def reduced_call():   # each call a new step for its CUDA-graph trees
-            torch.compiler.cudagraph_mark_step_begin()
-            return reduced(ref, x, cfg.dropout)
-        fns["compile-reduce-overhead"] = reduced_call
+        fns["compile-reduce-overhead"] = _reduce_overhead(ref, x, cfg.dropout)
     if "dtensor" in impls:
         from tpfuser.peers import dtensor_block
         block = dtensor_block(ref, groups.tp_mesh)
@@ -341,12 +352,7 @@ def _train_fns(cfg, ref, x, impls, layout, rank, groups):
         compiled = torch.compile(sdpa_forward)
         forwards["compile"] = (lambda: compiled(ref, x, cfg.dropout), params, True)
     if "compile-reduce-overhead" in impls:
-        reduced = torch.compile(sdpa_forward, mode="reduce-overhead")
-
-        def reduced_forward():   # each step a new one for its CUDA-graph trees: no pending backward kept
-            torch.compiler.cudagraph_mark_step_begin()
-            return reduced(ref, x, cfg.dropout)
-        forwards["compile-reduce-overhead"] = (reduced_forward, params, True)
+        forwards["compile-reduce-overhead"] = (_reduce_overhead(ref, x, cfg.dropout), params, True)
     if "dtensor" in impls:
         from tpfuser.peers import dtensor_block
         block = dtensor_block(ref, groups.tp_mesh)
@@ -402,8 +408,8 @@ def _graphed_train_fns(cfg, ref, x, grad, impls, layout, rank, groups):
         from tpfuser.runtime import ShardedBlock
         block = ShardedBlock(cfg, layout, rank, keys_on_device=True, dp_group=groups.dp if groups else None)
         graphed = GraphedTrainStep(block.load(ref.state_dict()))
-        steps = iter(range(1 << 30))
-        out["nvfuser-graph"] = (lambda: graphed(x.detach(), grad, 1234, next(steps) % 100_000), lambda: graphed.pool_bytes)
+        out["nvfuser-graph"] = (lambda steps=_step_offsets(): graphed(x.detach(), grad, 1234, next(steps)),
+                                lambda: graphed.pool_bytes)
     if "eager-graph" in impls:
         import copy
         own = copy.deepcopy(ref)   # its gradients stay the graph's: the other steps set theirs to None

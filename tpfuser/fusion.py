@@ -581,7 +581,7 @@ def row_parallel_overlapped(tokens: int, n_in: int, n_out: int, tp: int, chunks:
         w = fd.define_tensor(shape=[n_out, n_in], contiguity=True, dtype=_NV_DTYPE[dtype])
         out = fd.ops.linear(h, w)
         fd.add_output(out)
-        mesh = nvf.multidevice.DeviceMesh(torch.arange(tp))
+        mesh = make_mesh(Layout(1, tp), row=0)   # a 1-D mesh of tp devices
         for tv in (h, w):
             tv.set_device_mesh(mesh)
         h.outer_split(0, chunks)
@@ -610,7 +610,7 @@ def allgather_column_parallel_overlapped(tokens: int, n_in: int, n_out: int, tp:
         b = fd.define_tensor(shape=[n_out], contiguity=True, dtype=nv)
         out = fd.ops.linear(x, w, b)   # [chunks, tp, rows, n_out]
         fd.add_output(out)
-        mesh = nvf.multidevice.DeviceMesh(torch.arange(tp))
+        mesh = make_mesh(Layout(1, tp), row=0)   # a 1-D mesh of tp devices
         for tv in (x, w, b, out):
             tv.set_device_mesh(mesh)
         x.axis(1).parallelize(ParallelType.mesh_x)

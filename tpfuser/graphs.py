@@ -44,6 +44,17 @@ def _check_block(block: ShardedBlock) -> None:
                          "or its masks would be frozen at capture")
 
 
+def _dp_backend(block: ShardedBlock) -> str | None:
+    """The backend that sums the gradients over dp (None: dp is 1); refused without a group."""
+    if block.layout.dp == 1:
+        return None
+    if block.dp_group is None:
+        raise ValueError(f"dp={block.layout.dp}: the gradients are summed over dp; build the block (ShardedBlock "
+                         f"or TPBlock) with dp_group=world.dp_group(layout, rank)")
+    import torch.distributed as dist
+    return dist.get_backend(block.dp_group)
+
+
 def warm_up(body, times: int = 2) -> None:
     """Run body on a side stream (as before a capture: nvFuser compiles, NCCL
     connects); then release the cached memory, so that what a capture reserves
@@ -67,16 +78,27 @@ class _Graphed:
         self._param_ptrs = None
         self.pool_bytes = 0   # what the graph's memory pool reserved at capture
 
+    def _static_input(self) -> torch.Tensor:
+        """A buffer of this rank's input shape: what a graph reads, the caller's tensor copied in."""
+        return torch.zeros(self.block.input_shape(), dtype=self.block.cfg.torch_dtype, device=self.block.device)
+
     def _params_unchanged(self, params=None) -> None:
         params = self.block._checked_params(None) if params is None else params
         if [p.data_ptr() for p in params] != self._param_ptrs:
             raise ValueError("the block's parameters were replaced since the graph was captured "
                              "(load() again?): update them in place, or make a new graphed block")
 
-    def _capture(self, body) -> object:
+    def _prepare_capture(self, rng_seed: int, rng_offset: int, body) -> int:
+        """Before a capture: the keys written (the capture reads their tensor, never
+        writes it), the parameters noted, body warmed up; returns the memory
+        reserved then, against which the graph's pool is measured."""
+        self.block._rng_inputs(rng_seed, rng_offset)
         self._param_ptrs = [p.data_ptr() for p in self.block._checked_params(None)]
         warm_up(body)
-        before = torch.cuda.memory_reserved(self.block.device)
+        return torch.cuda.memory_reserved(self.block.device)
+
+    def _capture(self, rng_seed: int, rng_offset: int, body) -> object:
+        before = self._prepare_capture(rng_seed, rng_offset, body)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             held = body()
@@ -96,7 +118,7 @@ class GraphedForward(_Graphed):
 
     def __init__(self, block: ShardedBlock):
         super().__init__(block)
-        self.x = torch.zeros(block.input_shape(), dtype=block.cfg.torch_dtype, device=block.device)
+        self.x = self._static_input()
         self.outputs: dict[str, torch.Tensor] = {}
 
     def __call__(self, x: torch.Tensor, rng_seed: int = 0, rng_offset: int = 0) -> dict[str, torch.Tensor]:
@@ -104,8 +126,7 @@ class GraphedForward(_Graphed):
         self.block._validate_input("x", x)
         self.x.copy_(x)
         if self.graph is None:
-            self.block._rng_inputs(rng_seed, rng_offset)
-            self.outputs = self._capture(lambda: self.block(self.x, rng_seed, rng_offset))
+            self.outputs = self._capture(rng_seed, rng_offset, lambda: self.block(self.x, rng_seed, rng_offset))
         self._replay(rng_seed, rng_offset)
         return self.outputs
 
@@ -116,16 +137,10 @@ class GraphedTrainStep(_Graphed):
 
     def __init__(self, block: ShardedBlock):
         super().__init__(block)
-        shape, dtype = block.input_shape(), block.cfg.torch_dtype
-        self.x = torch.zeros(shape, dtype=dtype, device=block.device)
-        self.grad_out = torch.zeros(shape, dtype=dtype, device=block.device)
-        self.dp_sum_captured = self.dp_sum_after = False
-        if block.layout.dp > 1:
-            if block.dp_group is None:
-                raise ValueError(f"dp={block.layout.dp}: pass ShardedBlock(dp_group=world.dp_group(layout, rank))")
-            import torch.distributed as dist
-            self.dp_sum_captured = dist.get_backend(block.dp_group) == "nccl"
-            self.dp_sum_after = not self.dp_sum_captured
+        self.x, self.grad_out = self._static_input(), self._static_input()
+        backend = _dp_backend(block)
+        self.dp_sum_captured = backend == "nccl"
+        self.dp_sum_after = backend is not None and not self.dp_sum_captured
         self.held = None
 
     def _body(self, rng_seed, rng_offset):
@@ -141,8 +156,7 @@ class GraphedTrainStep(_Graphed):
         self.x.copy_(x)
         self.grad_out.copy_(grad_out)
         if self.graph is None:
-            self.block._rng_inputs(rng_seed, rng_offset)
-            self.held = self._capture(lambda: self._body(rng_seed, rng_offset))
+            self.held = self._capture(rng_seed, rng_offset, lambda: self._body(rng_seed, rng_offset))
         self._replay(rng_seed, rng_offset)
         out, grad_x, grads = self.held
         if self.dp_sum_after:
@@ -159,11 +173,8 @@ class GraphedTraining(_Graphed):
 
     def __init__(self, block: ShardedBlock):
         super().__init__(block)
-        if block.layout.dp > 1 and block.dp_group is None:
-            raise ValueError(f"dp={block.layout.dp}: pass dp_group=world.dp_group(layout, rank)")
-        shape, dtype = block.input_shape(), block.cfg.torch_dtype
-        self.x = torch.zeros(shape, dtype=dtype, device=block.device)
-        self.grad_out = torch.zeros(shape, dtype=dtype, device=block.device)
+        _dp_backend(block)   # refused here, not at the first backward, without a group
+        self.x, self.grad_out = self._static_input(), self._static_input()
         self.backward_graph = None
         self.generation = 0   # forwards replayed so far: the activations held are the last one's
 
@@ -193,8 +204,6 @@ class GraphedTraining(_Graphed):
 
     def _capture_both(self, rng_seed, rng_offset):
         block = self.block
-        block._rng_inputs(rng_seed, rng_offset)
-        self._param_ptrs = [p.data_ptr() for p in block._checked_params(None)]
         self.graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         held = {}
 
@@ -204,8 +213,7 @@ class GraphedTraining(_Graphed):
 
         def backward():
             return block.backward(self.grad_out, self.x, held["saved"], sum_over_dp=False)
-        warm_up(lambda: (forward(), backward()))
-        before = torch.cuda.memory_reserved(block.device)
+        before = self._prepare_capture(rng_seed, rng_offset, lambda: (forward(), backward()))
         with torch.cuda.graph(self.graph):
             self.out = forward()
         self.saved = held["saved"]   # the backward graph reads them where the forward graph writes them

@@ -221,13 +221,13 @@ class ShardedBlock:
         """Run a forward fusion. Under CUDA-graph capture the keys are not
         written and flash attention's generator is not seeded: the caller does
         both before each replay, which reads them then (graphs.py)."""
-        if capturing():
-            if self.cfg.dropout > 0 and not self.keys_on_device:
-                raise ValueError("capturing a CUDA graph with dropout > 0 needs ShardedBlock(keys_on_device=True): "
-                                 "host-scalar keys would freeze the masks at capture (use tpfuser.graphs)")
-            return fusion.fd.execute([x.contiguous(), *params, *self._rng_inputs(rng_seed, rng_offset, write_keys=False)])
-        with self._attention_stream(rng_seed, rng_offset):
-            return fusion.fd.execute([x.contiguous(), *params, *self._rng_inputs(rng_seed, rng_offset)])
+        in_graph = capturing()
+        if in_graph and self.cfg.dropout > 0 and not self.keys_on_device:
+            raise ValueError("capturing a CUDA graph with dropout > 0 needs ShardedBlock(keys_on_device=True): "
+                             "host-scalar keys would freeze the masks at capture (use tpfuser.graphs)")
+        rng = self._rng_inputs(rng_seed, rng_offset, write_keys=not in_graph)
+        with nullcontext() if in_graph else self._attention_stream(rng_seed, rng_offset):
+            return fusion.fd.execute([x.contiguous(), *params, *rng])
 
     # -- training ---------------------------------------------------------
     def forward_train(self, x: torch.Tensor, rng_seed: int = 0, rng_offset: int = 0, params=None):
