@@ -71,3 +71,23 @@ def test_error_line_finds_the_assert_and_drops_the_backtrace():
     assert error_line(nccl, context=0) == "NCCL error in: NCCLUtils.cpp:93, invalid usage"
     assert error_line(ValueError("plain message")) == "plain message"      # nothing marked: the first line
     assert error_line(ValueError("")) == "ValueError"
+
+
+# Run 17 (results/2026-12-03-h200/run17): what nvFuser posted in tiny 1x4 SP's backward, rank 0.
+RUN17 = json.load(open("results/2026-12-03-h200/run17/tiny_1x4_sp.json"))["cases"][0]["ranks"][0]
+
+
+def test_sp_backward_as_posted_on_the_h200_matches_the_plan_in_any_order():
+    """The SP backward all-reduces the six tp-replicated parameters' gradients
+    (LayerNorms, row-parallel biases: sums over sequence shards), and nvFuser
+    posts them between the gathers, not where the plan lists them."""
+    from tpfuser.plan import backward_collectives
+    cfg = preset("tiny", dtype="fp32", dropout=0.1)
+    posted = RUN17["collectives"]["backward"]["posted"]
+    planned = [c for c in backward_collectives(cfg, Layout(1, 4, sp=True)) if c.axis == "tp"]
+    result = compare_collectives(posted, planned, [0, 1, 2, 3])
+    assert result["matches"] and not result["in_order"]
+    without_a_gradient = [c for c in planned if c.where != "ln_1.bias gradient (partial sums over the sequence shards)"]
+    assert not compare_collectives(posted, without_a_gradient, [0, 1, 2, 3])["matches"]
+    swapped = [dict(p, kind="allreduce") if p["kind"] == "allgather" else p for p in posted]
+    assert not compare_collectives(swapped, planned, [0, 1, 2, 3])["matches"]   # same count, other kinds

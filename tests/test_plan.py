@@ -99,8 +99,12 @@ def test_backward_collectives():
     assert [(c.kind, c.where) for c in tp] == [("allreduce", "after mlp.c_fc input gradient"),
                                                ("allreduce", "after attn.c_attn input gradient")]
     sp = backward_collectives(cfg, Layout(1, 8, sp=True))
-    assert [c.kind for c in sp] == ["allgather", "allgather", "reducescatter"] * 2
-    assert all(c.shape == (1, 2048, 12288) and c.team == 8 for c in tp + sp)
+    assert [c.kind for c in sp] == (["allgather", "allgather", "reducescatter"] + ["allreduce"] * 3) * 2
+    # SP: the tp-replicated parameters' gradients are sums over sequence shards, all-reduced over tp
+    summed = [c.where.split()[0] for c in sp if c.kind == "allreduce"]
+    assert summed == ["ln_2.weight", "ln_2.bias", "mlp.c_proj.bias", "ln_1.weight", "ln_1.bias", "attn.c_proj.bias"]
+    assert all(c.shape == (12288,) and c.team == 8 for c in sp if c.kind == "allreduce")
+    assert all(c.shape == (1, 2048, 12288) and c.team == 8 for c in tp + sp if c.kind != "allreduce" or c in tp)
     assert backward_collectives(preset("nanogpt"), Layout(2, 2))[0].shape == (8, 128, 1600)   # per dp rank
     # dp > 1: then one all-reduce over dp of the rank's parameter gradients, in fp32, after the fusion
     e = 64

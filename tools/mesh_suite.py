@@ -106,13 +106,25 @@ def main(out: str, groups: list[str]) -> int:
     return 0 if all(s["ok"] for s in summary.values()) else 1
 
 
+def recompared(rank: dict) -> dict | None:
+    """The rank's stored posted collectives compared with today's plan (a report
+    written before a plan's fix is judged by the fixed plan, not its own verdict)."""
+    from tpfuser.check import compare_with_plan
+    if not rank.get("collectives"):
+        return rank.get("collectives")
+    dp, tp = map(int, rank["mesh"].split("x"))
+    cfg = preset(rank["preset"], dtype=rank["dtype"], dropout=rank["dropout"])
+    posted = {phase: c["posted"] for phase, c in rank["collectives"].items()}
+    return compare_with_plan(posted, cfg, Layout(dp, tp, rank["sp"]), rank["rank"])
+
+
 def passed(rank: dict) -> bool:
-    """A rank's verdict under today's rules (check.RankReport.ok), from its stored figures."""
+    """A rank's verdict under today's rules (check.RankReport.ok) and plan, from its stored figures."""
     from tpfuser.check import RankReport
     if "error" in rank:
         return False
-    fields = ("preset", "dtype", "dropout", "mesh", "sp", "rank", "forward", "backward", "collectives")
-    return RankReport(**{k: rank[k] for k in fields}).ok
+    fields = ("preset", "dtype", "dropout", "mesh", "sp", "rank", "forward", "backward")
+    return RankReport(**{k: rank[k] for k in fields}, collectives=recompared(rank)).ok
 
 
 def summarize(report: dict) -> dict:
@@ -132,7 +144,7 @@ def summarize(report: dict) -> dict:
             "masks_equal": all(not any({**r["forward"]["mask_mismatches"],
                                         **(r["backward"] or {}).get("mask_mismatches", {})}.values()) for r in fine)
                            if fine else None,   # None: no rank got that far
-            "collectives_match": all(all(p["matches"] for p in (r["collectives"] or {}).values()) for r in fine)
+            "collectives_match": all(all(p["matches"] for p in (recompared(r) or {}).values()) for r in fine)
                                  if fine else None,
             "errors": sorted({r["error"][:200] for r in ranks if "error" in r}),
         }

@@ -296,11 +296,18 @@ def check(case: Case, rank: int = 0, backward: bool = True, mesh: bool = True, d
     if graphs:
         report.graphs = graph_equality(case, rank, exp, outs, backward, dp_group, mesh)
     if record_collectives:
-        planned = {"forward": collectives(cfg, layout), "training forward": collectives(cfg, layout),
-                   "backward": [c for c in backward_collectives(cfg, layout) if c.axis != DP]}
-        team = [block.dp_rank * layout.tp + t for t in range(layout.tp)]
-        report.collectives = {phase: compare_collectives(posted[phase], planned[phase], team) for phase in posted}
+        report.collectives = compare_with_plan(posted, cfg, layout, rank)
     return report
+
+
+def compare_with_plan(posted: dict[str, list[dict]], cfg: BlockConfig, layout: Layout, rank: int) -> dict:
+    """Each phase's posted collectives (forward, training forward, backward)
+    against the plan's over tp, on the rank's tp row (commlog.compare_collectives)."""
+    planned = {"forward": collectives(cfg, layout), "training forward": collectives(cfg, layout),
+               "backward": [c for c in backward_collectives(cfg, layout) if c.axis != DP]}
+    dp_rank, _ = layout.rank_coords(rank)
+    team = [dp_rank * layout.tp + t for t in range(layout.tp)]
+    return {phase: compare_collectives(posted[phase], planned[phase], team) for phase in posted}
 
 
 def graph_equality(case: Case, rank: int, exp: dict, host_outs: dict, backward: bool, dp_group,

@@ -30,15 +30,25 @@ def parse_communication_log(text: str) -> list[dict]:
 
 
 def compare_collectives(posted: list[dict], planned, team: list[int]) -> dict:
-    """Are the posted collectives the planned ones, in order: the same kind, the
+    """Are the posted collectives the planned ones: the same kinds, each with the
     same number of elements (of the larger of input and output: the unsharded
-    tensor), each over `team` (the rank's tp row: none over dp)?"""
+    tensor) and as many times, each over `team` (the rank's tp row: none over
+    dp)? Order is not compared: nvFuser's segmenter may post independent
+    collectives in another order than the plan lists them (run 17: the SP
+    backward's all-reduces of LayerNorm gradients between its all-gathers);
+    `in_order` says whether it kept the plan's. `posted` as parsed from the log
+    (with shapes), or as stored in a report (with numel)."""
     want = [{"kind": c.kind, "numel": math.prod(c.shape)} for c in planned]
     got = [{"kind": p["kind"], "team": p["team"],
-            "numel": max(math.prod(p["shapes"].get(k, [0])) for k in ("input", "output"))} for p in posted]
-    matches = len(got) == len(want) and all(
-        g["kind"] == w["kind"] and g["numel"] == w["numel"] and g["team"] == team for g, w in zip(got, want))
-    return {"planned": want, "posted": got, "matches": matches}
+            "numel": p["numel"] if "numel" in p else
+            max(math.prod(p["shapes"].get(k, [0])) for k in ("input", "output"))} for p in posted]
+
+    def key(c):
+        return c["kind"], c["numel"]
+    same = all(g["team"] == team for g in got)
+    return {"planned": want, "posted": got,
+            "matches": same and sorted(map(key, got)) == sorted(map(key, want)),
+            "in_order": same and list(map(key, got)) == list(map(key, want))}
 
 
 @contextmanager

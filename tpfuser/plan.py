@@ -148,7 +148,9 @@ def backward_collectives(cfg: BlockConfig, layout: Layout) -> list[Collective]:
     Sequence parallel: an all-gather of the upstream gradient before each
     row-parallel linear, an all-gather of the LayerNorm output (recomputed on
     the rank's part of the sequence) for each column-parallel weight gradient,
-    and a reduce-scatter of each column-parallel input gradient. Then, when
+    and a reduce-scatter of each column-parallel input gradient; and an all-reduce
+    of each gradient tp does not split (LayerNorms, row-parallel biases), each
+    rank's being a sum over its part of the sequence only. Then, when
     dp > 1, the one all-reduce over dp of all this rank's parameter gradients,
     in fp32, after the fusion (through torch.distributed: runtime.ShardedBlock.backward)."""
     whole = ((cfg.batch // layout.dp, cfg.seq, cfg.n_embd), cfg.torch_dtype.itemsize, layout.tp)
@@ -159,12 +161,32 @@ def backward_collectives(cfg: BlockConfig, layout: Layout) -> list[Collective]:
             out += [Collective("allgather", TP, f"before {row} backward", *whole),
                     Collective("allgather", TP, f"before {column} weight gradient", *whole),
                     Collective("reducescatter", TP, f"after {column} input gradient", *whole)]
+            out += [Collective("allreduce", TP, f"{name} gradient (partial sums over the sequence shards)",
+                               shape, cfg.torch_dtype.itemsize, layout.tp)
+                    for name, shape in _sequence_summed_params(cfg, row)]
         else:
             out.append(Collective("allreduce", TP, f"after {column} input gradient", *whole))
     if layout.dp > 1:
         n = sum(math.prod(local_shape(shape, PARAM_PLACEMENTS[name], layout)) for name, shape in param_shapes(cfg).items())
         out.append(Collective("allreduce", DP, "after the backward fusion (every parameter gradient, by the runtime)", (n,), 4, layout.dp))
     return out
+
+
+def _sequence_summed_params(cfg: BlockConfig, row: str) -> list[tuple[str, tuple[int, ...]]]:
+    """Under sequence parallelism, the parameters of the region that ends with
+    the row-parallel linear `row` which tp does not split (its LayerNorm, its
+    bias): each rank's gradient is a sum over its part of the sequence only,
+    so the backward all-reduces it over tp (Megatron sums them the same way,
+    outside its fusions). Parameter order as in PARAM_PLACEMENTS."""
+    regions, region = {}, []   # the parameters up to and including each row-parallel linear's bias
+    for name in PARAM_PLACEMENTS:
+        region.append(name)
+        if name.endswith(".bias") and (name.removesuffix(".bias"), "row") in LINEARS:
+            regions[name.removesuffix(".bias")], region = region, []
+    if row not in regions:
+        raise ValueError(f"{row}: not a row-parallel linear with a bias ({', '.join(regions)})")
+    shapes = param_shapes(cfg)
+    return [(name, shapes[name]) for name in regions[row] if TP not in PARAM_PLACEMENTS[name].values()]
 
 
 def forward_flops(cfg: BlockConfig, layout: Layout = Layout()) -> dict[str, int]:
