@@ -133,3 +133,13 @@ def test_overlap_fusions_refuse_what_does_not_divide(build, args, words):
     import tpfuser.fusion as fusion
     with pytest.raises(ValueError, match=re.escape(words)):
         getattr(fusion, build)(*args)
+
+
+def test_overlap_refuses_a_rank_beyond_the_gpus_nvfuser_would_index():
+    """Run 15: nvFuser 0.2.36's host IR evaluator indexes CUDA devices by global
+    rank, so rank 1 of ranks sharing one GPU failed deep inside nvFuser; refused first."""
+    from tpfuser.fusion import check_host_ir_device
+    check_host_ir_device(0, 1)
+    check_host_ir_device(3, 4)
+    with pytest.raises(ValueError, match=re.escape("CUDA device <global rank> (1), and this process sees 1 GPU(s)")):
+        check_host_ir_device(1, 1)

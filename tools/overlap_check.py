@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from tpfuser.check import rel_l2  # noqa: E402
 from tpfuser.commlog import captured_communications, error_line  # noqa: E402
 from tpfuser.fusion import (OVERLAP_OPTIONS, allgather_column_parallel_overlapped,  # noqa: E402
-                            row_parallel_overlapped, run_allgather_overlapped)
+                            check_host_ir_device, row_parallel_overlapped, run_allgather_overlapped)
 
 
 def row_parallel(rank, tp, chunks, t, e, dtype):
@@ -71,6 +71,11 @@ def main() -> int:
     import nvfuser_direct as nvf
     comm = nvf.multidevice.Communicator.instance()
     tp, rank = comm.size(), comm.rank()
+    try:
+        check_host_ir_device(rank, torch.cuda.device_count())
+    except ValueError as e:
+        print(f"overlap_check: rank {rank}: {e}", file=sys.stderr, flush=True)
+        os._exit(2)
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     rows = []
     for kind, fn in (("row-parallel all-reduce", row_parallel), ("all-gather column-parallel", allgather_column)):

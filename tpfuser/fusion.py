@@ -621,6 +621,19 @@ def allgather_column_parallel_overlapped(tokens: int, n_in: int, n_out: int, tp:
 OVERLAP_OPTIONS = {"_enable_options": ["host_ir_lowering"], "_disable_options": ["infer_contiguity"]}
 
 
+def check_host_ir_device(rank: int, device_count: int) -> None:
+    """nvFuser 0.2.36's host IR evaluator (what runs the stream-parallel
+    fusions) takes the rank's global index for a CUDA device index
+    (HostIrEvaluator's constructor, csrc/host_ir/evaluator.cpp at 7e04d26:
+    getDefaultCUDAStream(deviceId())). A rank at or beyond this node's GPU
+    count then fails with "Device index value 1 is out of index range [0, 1)"
+    (run 15: ranks sharing one GPU). Refuse it up front, saying so."""
+    if rank >= device_count:
+        raise ValueError(f"the overlapped fusions need a GPU per rank: nvFuser 0.2.36 runs them on CUDA device "
+                         f"<global rank> ({rank}), and this process sees {device_count} GPU(s); ranks sharing a GPU "
+                         f"(share_gpu.sh) can check the non-overlapped block only")
+
+
 def run_allgather_overlapped(of: OverlapFusion, inputs: list):
     """Execute an all-gather overlap fusion the way nvFuser's own test does."""
     executor = getattr(of, "_executor", None)
