@@ -71,3 +71,19 @@ def test_module_gives_gradient_shards_and_full_grads(mesh):
     assert list(grads) == list(PARAM_NAMES)
     assert all(g is not None and g.shape == p.shape for g, (_, p) in zip(grads.values(), ref.named_parameters()))
     assert model.step == 1   # a training call advances the dropout offset
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_module_eval_mode_is_the_block_without_dropout(mesh):
+    """eval(): no dropout (the reference with no masks), no step taken; train() draws again."""
+    from tpfuser.check import rel_l2
+    from tpfuser.runtime import TPBlock
+    cfg = preset("tiny", dtype="fp32")
+    assert cfg.dropout > 0
+    ref = make_block(cfg).cuda()
+    model = TPBlock(cfg, mesh=mesh).load_full_state_dict(ref.state_dict()).eval()
+    x = make_input(cfg).cuda()
+    with torch.no_grad():
+        out, want = model(x), ref(x)
+    assert rel_l2(out, want) < bound("fp32", "out") and model.step == 0
+    assert rel_l2(model.train()(x).detach(), want) > 10 * bound("fp32", "out") and model.step == 1

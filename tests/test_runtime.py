@@ -73,6 +73,35 @@ def test_shard_input_is_this_ranks_batch_slice():
     assert torch.equal(b.shard_input(x)[:, 0, 0], torch.tensor([2.0, 3.0]))
 
 
+def test_without_dropout_is_the_same_rank_without_dropout_inputs():
+    """TPBlock's eval mode: the same rank, device, mesh and dp group, the same
+    parameters, fusions that take no dropout keys."""
+    from tpfuser.fusion import rng_input_names
+    cfg = preset("tiny", dtype="fp32", dropout=0.1)
+    b = ShardedBlock(cfg, Layout(2, 2), rank=3, device=torch.device("cpu"), dp_group="a group")
+    b._params = ["the shards"]
+    twin = b.without_dropout()
+    assert (twin.cfg, twin.layout, twin.rank, twin.device, twin.dp_group) == (
+        cfg.replace(dropout=0.0), b.layout, 3, b.device, "a group")
+    assert twin.params is b.params and twin._mesh_layout == b._mesh_layout
+    assert rng_input_names(cfg) and not rng_input_names(twin.cfg)
+    assert len(twin.fusion.fd.fusion.inputs()) < len(b.fusion.fd.fusion.inputs())   # no keys, offsets
+    assert ShardedBlock(cfg, device=torch.device("cpu"), mesh=False).without_dropout()._mesh_layout is None
+
+
+def test_rank_shards_are_the_slices_of_the_fusion_params():
+    from tpfuser.reference import make_block
+    from tpfuser.shard import fusion_params, rank_params
+    from tpfuser.weights import rank_shards
+    cfg = preset("tiny", dtype="bf16")
+    state = make_block(cfg).state_dict()
+    shards = rank_shards(state, cfg, Layout(1, 2), 1)
+    want = rank_params(fusion_params({k: v.to(torch.bfloat16) for k, v in state.items()}, cfg), Layout(1, 2), 1)
+    assert all(s.dtype == torch.bfloat16 and torch.equal(s, w) for s, w in zip(shards, want, strict=True))
+    with pytest.raises(ValueError, match=r"state_dict lacks \['ln_1.weight'\]"):
+        rank_shards({k: v for k, v in state.items() if k != "ln_1.weight"}, cfg, Layout(1, 2), 1)
+
+
 def test_check_without_gpu_says_so_in_one_line(capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

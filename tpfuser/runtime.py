@@ -20,9 +20,9 @@ from tpfuser.dropout import STREAMS, flash_seed, stream_key
 from tpfuser.fusion import MASK_STARTS, build_backward, build_forward, rng_input_names, saved_names
 from tpfuser.plan import PARAM_PLACEMENTS, local_shape, placements
 from tpfuser.reference import PARAM_NAMES, param_shapes
-from tpfuser.shard import fusion_params, local_slice, rank_params, slice_starts
+from tpfuser.shard import local_slice, slice_starts
 from tpfuser.tensors import MASKS
-from tpfuser.weights import check_finite, check_nanogpt, check_tensor, from_hf_gpt2
+from tpfuser.weights import check_finite, check_tensor, from_hf_gpt2, rank_shards
 from tpfuser.world import describe_single_process, gather_output, sum_over_group
 
 # The tensors each dropout stream masks (fusion.MASK_STARTS, plan.placements).
@@ -101,23 +101,9 @@ class ShardedBlock:
 
     # -- parameters -------------------------------------------------------
     def load(self, state: dict[str, torch.Tensor]) -> "ShardedBlock":
-        """Take a nanoGPT-style state_dict (global, blocked c_attn); keep this rank's shards.
-        Floating weights are cast to the block's dtype; integers, NaN and inf are refused
-        (weights.check_tensor), and so is Hugging Face's layout (use load_hf_gpt2)."""
-        check_nanogpt(state, self.cfg)
-        missing = [n for n in PARAM_NAMES if n not in state]
-        if missing:
-            raise ValueError(f"state_dict lacks {missing}")
-        shapes = param_shapes(self.cfg)
-        full = {}
-        for name in PARAM_NAMES:
-            check_tensor(name, state[name])
-            if tuple(state[name].shape) != shapes[name]:
-                raise ValueError(f"{name}: expected shape {shapes[name]}, got {tuple(state[name].shape)}")
-            full[name] = state[name].detach().cpu().to(self.cfg.torch_dtype)
-            check_finite(f"{name} cast to {self.cfg.dtype}", full[name])   # e.g. fp64 beyond fp32's range
-        shards = rank_params(fusion_params(full, self.cfg), self.layout, self.rank)
-        return self.load_shards([s.to(self.device) for s in shards])
+        """Take a nanoGPT-style state_dict (global, blocked c_attn); keep this rank's
+        shards, checked and cast by weights.rank_shards."""
+        return self.load_shards([s.to(self.device) for s in rank_shards(state, self.cfg, self.layout, self.rank)])
 
     def load_hf_gpt2(self, state: dict[str, torch.Tensor], layer: Optional[int] = None) -> "ShardedBlock":
         """Take Hugging Face GPT-2 weights (Conv1D layout): a GPT2Block's state_dict, or
@@ -135,6 +121,22 @@ class ShardedBlock:
             self._validate(name, t, self.local_param_shape(name))
         self._params = list(shards)
         return self
+
+    @property
+    def params(self) -> Optional[list[torch.Tensor]]:
+        """This rank's parameter shards as loaded (PARAM_NAMES order), or None."""
+        return self._params
+
+    def without_dropout(self) -> "ShardedBlock":
+        """The same rank of the same mesh (device, mesh or not, dp group) for the
+        block without dropout, as nn.Module's eval mode runs it: dropout is part
+        of the fusions, so these are its own, built here. It shares this block's
+        parameters (a later load() of this block is not seen: pass params)."""
+        twin = ShardedBlock(self.cfg.replace(dropout=0.0), self.layout, self.rank, check=self.check,
+                            device=self.device, mesh=self._mesh_layout is not None, dp_group=self.dp_group,
+                            check_finite=self.check_finite)
+        twin._params = self._params
+        return twin
 
     def local_param_shape(self, name: str) -> tuple[int, ...]:
         return local_shape(param_shapes(self.cfg)[name], PARAM_PLACEMENTS[name], self.layout)
@@ -323,7 +325,7 @@ class TPBlock(torch.nn.Module):
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> "TPBlock":
         """Take a nanoGPT Block state_dict (global); keep this rank's shards as parameters."""
         self.runner.load(state)
-        self.shards = torch.nn.ParameterList([torch.nn.Parameter(t) for t in self.runner._params])
+        self.shards = torch.nn.ParameterList([torch.nn.Parameter(t) for t in self.runner.params])
         self._graphed = None   # new parameters: a graph captured on the old ones is dropped
         return self
 
@@ -335,9 +337,7 @@ class TPBlock(torch.nn.Module):
         runner = self.runner
         if not self.training and self.cfg.dropout > 0:
             if self._eval_runner is None:
-                self._eval_runner = ShardedBlock(self.cfg.replace(dropout=0.0), self.layout, self.rank,
-                                                 device=self.runner.device, mesh=self.runner._mesh_layout is not None,
-                                                 dp_group=self.runner.dp_group)
+                self._eval_runner = self.runner.without_dropout()
             runner = self._eval_runner
         offset = self.step
         if self.training:

@@ -27,7 +27,7 @@ import re
 
 import torch
 
-from tpfuser.config import BlockConfig
+from tpfuser.config import BlockConfig, Layout
 from tpfuser.reference import PARAM_NAMES, param_shapes
 
 LINEAR_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -123,3 +123,24 @@ def from_hf_gpt2(state: dict, cfg: BlockConfig, layer: int | None = None) -> dic
                              f"for n_embd={cfg.n_embd}, got {tuple(t.shape)}")
         out[name] = t.detach().t().contiguous() if name in LINEAR_WEIGHTS else t.detach()
     return out
+
+
+def rank_shards(state: dict[str, torch.Tensor], cfg: BlockConfig, layout: Layout, rank: int) -> list[torch.Tensor]:
+    """A rank's parameter shards (PARAM_NAMES order, the fusion's qkv order, on
+    the CPU) from a nanoGPT-style state_dict (global, blocked c_attn). Floating
+    weights are cast to the block's dtype; integers, NaN and inf are refused, and
+    so is Hugging Face's layout (from_hf_gpt2 converts it)."""
+    from tpfuser.shard import fusion_params, rank_params
+    check_nanogpt(state, cfg)
+    missing = [n for n in PARAM_NAMES if n not in state]
+    if missing:
+        raise ValueError(f"state_dict lacks {missing}")
+    shapes = param_shapes(cfg)
+    full = {}
+    for name in PARAM_NAMES:
+        check_tensor(name, state[name])
+        if tuple(state[name].shape) != shapes[name]:
+            raise ValueError(f"{name}: expected shape {shapes[name]}, got {tuple(state[name].shape)}")
+        full[name] = state[name].detach().cpu().to(cfg.torch_dtype)
+        check_finite(f"{name} cast to {cfg.dtype}", full[name])   # e.g. fp64 beyond fp32's range
+    return rank_params(fusion_params(full, cfg), layout, rank)
