@@ -1,17 +1,19 @@
 """Parsing nvFuser's communication dump, on the line the H200 printed for the 1x2 mesh."""
 import ctypes
 import json
+import os
 
 from tpfuser.commlog import captured_communications, compare_collectives, parse_communication_log
 from tpfuser.config import Layout, preset
 from tpfuser.plan import collectives
 
-SEEN = json.load(open("results/2026-12-02-h200/tp_collectives.json"))["posted"][0]["line"]
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "results")
+SEEN = json.load(open(os.path.join(RESULTS, "2026-12-02-h200", "tp_collectives.json")))["posted"][0]["line"]
 
 
 def test_parses_the_line_seen_on_the_h200():
     (c,) = parse_communication_log("noise\n" + SEEN + "\nmore noise")
-    assert c["kind"] == "allreduce" and c["team"] == [0, 1]
+    assert c["kind"] == "allreduce" and c["team"] == [0, 1] and c["dtype"] == "float"
     assert c["shapes"] == {"input": [4, 16, 64, 1], "output": [4, 16, 64]}
 
 
@@ -74,7 +76,7 @@ def test_error_line_finds_the_assert_and_drops_the_backtrace():
 
 
 # Run 17 (results/2026-12-03-h200/run17): what nvFuser posted in tiny 1x4 SP's backward, rank 0.
-RUN17 = json.load(open("results/2026-12-03-h200/run17/tiny_1x4_sp.json"))["cases"][0]["ranks"][0]
+RUN17 = json.load(open(os.path.join(RESULTS, "2026-12-03-h200", "run17", "tiny_1x4_sp.json")))["cases"][0]["ranks"][0]
 
 
 def test_sp_backward_as_posted_on_the_h200_matches_the_plan_in_any_order():

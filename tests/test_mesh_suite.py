@@ -37,3 +37,21 @@ def test_the_table_has_a_row_per_report_and_dtype():
     row = next(line for line in lines if line.startswith("| tiny_1x2 | fp32 |"))
     assert "| 2/2 | 2.0e-08 | 2.4e-07 | - | bit-exact | as planned | run9 (cac77df) |" in row
     assert all(len(line.split("|")) == len(lines[0].split("|")) for line in lines)
+
+
+def test_stored_collectives_are_judged_by_todays_plan():
+    """Run 17's SP reports failed on collectives against the plan they were written
+    with (no all-reduces of the tp-replicated gradients); today's plan has them."""
+    report = json.load(open("results/2026-12-03-h200/run17/tiny_2x2_sp.json"))
+    assert not report["ok"]
+    assert mesh_suite.summarize(report)["ok"]
+    rank = report["cases"][0]["ranks"][3]
+    rank["collectives"]["backward"]["posted"].pop()   # one all-reduce fewer than nvFuser posted
+    assert not mesh_suite.passed(rank)
+
+
+def test_a_failed_graph_replay_fails_the_rank():
+    rank = json.load(open("results/2026-12-03-h200/run15/graphs_2x2.json"))["cases"][1]["ranks"][2]
+    assert rank["graphs"] and mesh_suite.passed(rank)
+    rank["graphs"][next(iter(rank["graphs"]))] = False
+    assert not mesh_suite.passed(rank)

@@ -124,7 +124,7 @@ def passed(rank: dict) -> bool:
     if "error" in rank:
         return False
     fields = ("preset", "dtype", "dropout", "mesh", "sp", "rank", "forward", "backward")
-    return RankReport(**{k: rank[k] for k in fields}, collectives=recompared(rank)).ok
+    return RankReport(**{k: rank[k] for k in fields}, collectives=recompared(rank), graphs=rank.get("graphs")).ok
 
 
 def summarize(report: dict) -> dict:

@@ -22,10 +22,11 @@ def parse_communication_log(text: str) -> list[dict]:
         kind = re.search(r"type=(\w+)", line)
         team = re.search(r"team=\(([\d ]+)\)", line)
         shapes = re.findall(r"(input|output)_tensor\s*\[([\d, ]*)\]", line)
+        dtype = re.search(r"output=T\d+_\w_(\w+?)\[", line)   # e.g. T68_g_float[...]: the element type sent
         if kind and team:
             posted.append({"kind": kind.group(1).lower(), "team": [int(t) for t in team.group(1).split()],
                            "shapes": {k: [int(v) for v in s.replace(",", " ").split()] for k, s in shapes},
-                           "line": line.strip()[:400]})
+                           "dtype": dtype.group(1) if dtype else None, "line": line.strip()[:400]})
     return posted
 
 
@@ -39,7 +40,7 @@ def compare_collectives(posted: list[dict], planned, team: list[int]) -> dict:
     `in_order` says whether it kept the plan's. `posted` as parsed from the log
     (with shapes), or as stored in a report (with numel)."""
     want = [{"kind": c.kind, "numel": math.prod(c.shape)} for c in planned]
-    got = [{"kind": p["kind"], "team": p["team"],
+    got = [{"kind": p["kind"], "team": p["team"], "dtype": p.get("dtype"),
             "numel": p["numel"] if "numel" in p else
             max(math.prod(p["shapes"].get(k, [0])) for k in ("input", "output"))} for p in posted]
 

@@ -162,7 +162,7 @@ def backward_collectives(cfg: BlockConfig, layout: Layout) -> list[Collective]:
                     Collective("allgather", TP, f"before {column} weight gradient", *whole),
                     Collective("reducescatter", TP, f"after {column} input gradient", *whole)]
             out += [Collective("allreduce", TP, f"{name} gradient (partial sums over the sequence shards)",
-                               shape, cfg.torch_dtype.itemsize, layout.tp)
+                               shape, 4, layout.tp)   # summed in fp32 (fusion._sum_rows, the LayerNorm backward)
                     for name, shape in _sequence_summed_params(cfg, row)]
         else:
             out.append(Collective("allreduce", TP, f"after {column} input gradient", *whole))
