@@ -73,20 +73,22 @@ def test_shard_input_is_this_ranks_batch_slice():
     assert torch.equal(b.shard_input(x)[:, 0, 0], torch.tensor([2.0, 3.0]))
 
 
-def test_without_dropout_is_the_same_rank_without_dropout_inputs():
-    """TPBlock's eval mode: the same rank, device, mesh and dp group, the same
-    parameters, fusions that take no dropout keys."""
-    from tpfuser.fusion import rng_input_names
+def test_eval_mode_is_the_same_runner_with_fusions_without_dropout():
+    """TPBlock's eval mode: the runner's own fusions built with dropout 0 (no keys,
+    no masks saved), beside the training ones, each built once."""
+    from tpfuser.fusion import rng_input_names, saved_names
     cfg = preset("tiny", dtype="fp32", dropout=0.1)
-    b = ShardedBlock(cfg, Layout(2, 2), rank=3, device=torch.device("cpu"), dp_group="a group")
-    b._params = ["the shards"]
-    twin = b.without_dropout()
-    assert (twin.cfg, twin.layout, twin.rank, twin.device, twin.dp_group) == (
-        cfg.replace(dropout=0.0), b.layout, 3, b.device, "a group")
-    assert twin.params is b.params and twin._mesh_layout == b._mesh_layout
-    assert rng_input_names(cfg) and not rng_input_names(twin.cfg)
-    assert len(twin.fusion.fd.fusion.inputs()) < len(b.fusion.fd.fusion.inputs())   # no keys, offsets
-    assert ShardedBlock(cfg, device=torch.device("cpu"), mesh=False).without_dropout()._mesh_layout is None
+    b = ShardedBlock(cfg, Layout(2, 2), rank=3, device=torch.device("cpu"))
+    assert b.mode_cfg(True) is cfg and b.mode_cfg(False) == cfg.replace(dropout=0.0)
+    assert b._fusion("forward", True) is b.fusion
+    no_dropout = b._fusion("forward", False)
+    assert no_dropout is not b.fusion and b._fusion("forward", False) is no_dropout   # built once
+    assert rng_input_names(cfg) and not rng_input_names(b.mode_cfg(False))
+    assert len(no_dropout.fd.fusion.inputs()) == len(b.fusion.fd.fusion.inputs()) - len(rng_input_names(cfg))
+    assert set(saved_names(cfg)) - set(saved_names(b.mode_cfg(False))) == {"attn_keep", "resid_attn_keep",
+                                                                            "resid_mlp_keep"}
+    plain = ShardedBlock(cfg.replace(dropout=0.0), device=torch.device("cpu"))
+    assert plain._fusion("forward", False) is plain.fusion   # nothing to switch off
 
 
 def test_rank_shards_are_the_slices_of_the_fusion_params():

@@ -92,10 +92,10 @@ class ShardedBlock:
         self._mesh_layout = layout if mesh else None
         self.keys_on_device = keys_on_device and cfg.dropout > 0
         self._keys = None   # the keys' CUDA tensor (keys_on_device), made at first use
-        self.fusion = build_forward(cfg, self._mesh_layout, check=check, keys_on_device=self.keys_on_device)
+        self._fusions = {}   # (kind, dropout): built at first use (_fusion)
+        self.fusion = self._fusion("forward", True)
         self.output_names = list(self.fusion.outputs)
         self._params: Optional[list[torch.Tensor]] = None
-        self._train_fusion = self._backward_fusion = None   # built on first use
         self.dp_group = dp_group
         self.check_finite = check_finite
 
@@ -127,16 +127,23 @@ class ShardedBlock:
         """This rank's parameter shards as loaded (PARAM_NAMES order), or None."""
         return self._params
 
-    def without_dropout(self) -> "ShardedBlock":
-        """The same rank of the same mesh (device, mesh or not, dp group) for the
-        block without dropout, as nn.Module's eval mode runs it: dropout is part
-        of the fusions, so these are its own, built here. It shares this block's
-        parameters (a later load() of this block is not seen: pass params)."""
-        twin = ShardedBlock(self.cfg.replace(dropout=0.0), self.layout, self.rank, check=self.check,
-                            device=self.device, mesh=self._mesh_layout is not None, dp_group=self.dp_group,
-                            check_finite=self.check_finite)
-        twin._params = self._params
-        return twin
+    def mode_cfg(self, dropout: bool = True) -> BlockConfig:
+        """The block's config as a call runs it: dropout=False (nn.Module's eval
+        mode) is the block with dropout 0, whose fusions draw no masks."""
+        return self.cfg if dropout or self.cfg.dropout == 0 else self.cfg.replace(dropout=0.0)
+
+    def _fusion(self, kind: str, dropout: bool):
+        """The "forward", "train" (forward that saves for backward) or "backward"
+        fusion, with or without dropout, built at its first use."""
+        cfg = self.mode_cfg(dropout)
+        key = (kind, cfg.dropout > 0)
+        if key not in self._fusions:
+            if kind == "backward":
+                self._fusions[key] = build_backward(cfg, self._mesh_layout, dp_rank=self.dp_rank)
+            else:
+                self._fusions[key] = build_forward(cfg, self._mesh_layout, check=self.check, train=kind == "train",
+                                                   keys_on_device=self.keys_on_device and cfg.dropout > 0)
+        return self._fusions[key]
 
     def local_param_shape(self, name: str) -> tuple[int, ...]:
         return local_shape(param_shapes(self.cfg)[name], PARAM_PLACEMENTS[name], self.layout)
@@ -173,11 +180,11 @@ class ShardedBlock:
             check_finite(name, t)
         self._validate(name, t, self.input_shape())
 
-    def _rng_inputs(self, rng_seed, rng_offset, write_keys: bool = True) -> list:
+    def _rng_inputs(self, rng_seed, rng_offset, write_keys: bool = True, dropout: bool = True) -> list:
         """The fusion's dropout inputs. With keys_on_device the keys are 0-d views
         of this block's key tensor, written now (write_keys=False: as they are,
         for a CUDA graph's capture, which must not copy from the host)."""
-        if self.cfg.dropout == 0:
+        if self.mode_cfg(dropout).dropout == 0:
             return []
         names = rng_input_names(self.cfg)
         values = dropout_scalars(self.cfg, self.layout, self.rank, rng_seed, rng_offset)
@@ -196,11 +203,11 @@ class ShardedBlock:
         views = {name: self._keys[i] for i, name in enumerate(keys)}
         return [views.get(name, values[name]) for name in names]
 
-    def _attention_stream(self, rng_seed: int, rng_offset: int):
+    def _attention_stream(self, rng_seed: int, rng_offset: int, dropout: bool = True):
         """Around a forward fusion: flash attention's dropout (bf16) draws this
         rank's own stream (dropout.flash_seed), and the caller's CUDA generator
         is left as it was. A no-op where the fusion draws no flash dropout."""
-        if self.cfg.dtype != "bf16" or self.cfg.dropout == 0:
+        if self.cfg.dtype != "bf16" or self.mode_cfg(dropout).dropout == 0:
             return nullcontext()
         return seeded_cuda_generator(self.device, flash_seed(rng_seed, rng_offset, self.dp_rank, self.tp_rank))
 
@@ -211,52 +218,55 @@ class ShardedBlock:
             return self._params
         return list(params)
 
-    def __call__(self, x: torch.Tensor, rng_seed: int = 0, rng_offset: int = 0) -> dict[str, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, rng_seed: int = 0, rng_offset: int = 0,
+                 dropout: bool = True) -> dict[str, torch.Tensor]:
         """Run the fusion on this rank's input slice; returns this rank's outputs by name
-        ('out', and with check=True the keep-masks of the dropouts)."""
+        ('out', and with check=True the keep-masks of the dropouts). dropout=False:
+        the block without dropout (eval mode)."""
         params = self._checked_params(None)
         self._validate_input("x", x)
-        outs = self._execute_forward(self.fusion, x, params, rng_seed, rng_offset)
-        return dict(zip(self.output_names, outs))
+        fusion = self._fusion("forward", dropout)
+        outs = self._execute_forward(fusion, x, params, rng_seed, rng_offset, dropout)
+        return dict(zip(fusion.outputs, outs))
 
-    def _execute_forward(self, fusion, x, params, rng_seed, rng_offset) -> list[torch.Tensor]:
+    def _execute_forward(self, fusion, x, params, rng_seed, rng_offset, dropout: bool = True) -> list[torch.Tensor]:
         """Run a forward fusion. Under CUDA-graph capture the keys are not
         written and flash attention's generator is not seeded: the caller does
         both before each replay, which reads them then (graphs.py)."""
         in_graph = capturing()
-        if in_graph and self.cfg.dropout > 0 and not self.keys_on_device:
+        if in_graph and self.mode_cfg(dropout).dropout > 0 and not self.keys_on_device:
             raise ValueError("capturing a CUDA graph with dropout > 0 needs ShardedBlock(keys_on_device=True): "
                              "host-scalar keys would freeze the masks at capture (use tpfuser.graphs)")
-        rng = self._rng_inputs(rng_seed, rng_offset, write_keys=not in_graph)
-        with nullcontext() if in_graph else self._attention_stream(rng_seed, rng_offset):
+        rng = self._rng_inputs(rng_seed, rng_offset, write_keys=not in_graph, dropout=dropout)
+        with nullcontext() if in_graph else self._attention_stream(rng_seed, rng_offset, dropout):
             return fusion.fd.execute([x.contiguous(), *params, *rng])
 
     # -- training ---------------------------------------------------------
-    def forward_train(self, x: torch.Tensor, rng_seed: int = 0, rng_offset: int = 0, params=None):
-        """The forward that also returns what backward needs: (outputs by name, saved list)."""
+    def forward_train(self, x: torch.Tensor, rng_seed: int = 0, rng_offset: int = 0, params=None,
+                      dropout: bool = True):
+        """The forward that also returns what backward needs: (outputs by name, saved
+        list: saved_names(mode_cfg(dropout)))."""
         params = self._checked_params(params)
         self._validate_input("x", x)
-        if self._train_fusion is None:
-            self._train_fusion = build_forward(self.cfg, self._mesh_layout, check=self.check, train=True,
-                                               keys_on_device=self.keys_on_device)
-        outs = self._execute_forward(self._train_fusion, x, params, rng_seed, rng_offset)
-        named = dict(zip(self._train_fusion.outputs, outs))
-        saved = [named.pop(name) for name in saved_names(self.cfg)]
+        fusion = self._fusion("train", dropout)
+        outs = self._execute_forward(fusion, x, params, rng_seed, rng_offset, dropout)
+        named = dict(zip(fusion.outputs, outs))
+        saved = [named.pop(name) for name in saved_names(self.mode_cfg(dropout))]
         return named, saved
 
     def backward(self, grad_out: torch.Tensor, x: torch.Tensor, saved: list[torch.Tensor], params=None,
-                 sum_over_dp: bool = True):
+                 sum_over_dp: bool = True, dropout: bool = True):
         """(grad of x, [grad of each parameter shard in PARAM_NAMES order]) for this rank,
-        from forward_train's saved list (its dropout masks included). The parameter
-        gradients are the whole batch's: summed over dp after the fusion
-        (sum_over_dp=False: this rank's rows only, the caller sums)."""
+        from forward_train's saved list (its dropout masks included; dropout as
+        forward_train was called). The parameter gradients are the whole batch's:
+        summed over dp after the fusion (sum_over_dp=False: this rank's rows only,
+        the caller sums)."""
         if sum_over_dp and self.layout.dp > 1 and self.dp_group is None:
             raise ValueError(f"dp={self.layout.dp}: the parameter gradients are summed over dp after the backward "
                              f"fusion; pass ShardedBlock(dp_group=world.dp_group(layout, rank))")
-        inputs = self.backward_inputs(grad_out, x, saved, params)
-        if self._backward_fusion is None:
-            self._backward_fusion = build_backward(self.cfg, self._mesh_layout, dp_rank=self.dp_rank)
-        named = dict(zip(self._backward_fusion.outputs, self._backward_fusion.execute(inputs)))
+        inputs = self.backward_inputs(grad_out, x, saved, params, dropout)
+        fusion = self._fusion("backward", dropout)
+        named = dict(zip(fusion.outputs, fusion.execute(inputs)))
         grads = [named[f"grad.{name}"] for name in PARAM_NAMES]
         return named["grad_x"], self._sum_over_dp(grads) if sum_over_dp else grads
 
@@ -264,13 +274,13 @@ class ShardedBlock:
         return grads if self.layout.dp == 1 else sum_over_group(grads, self.dp_group)
 
     def backward_inputs(self, grad_out: torch.Tensor, x: torch.Tensor, saved: list[torch.Tensor],
-                        params=None) -> list:
+                        params=None, dropout: bool = True) -> list:
         """The backward fusion's inputs, checked, in its order (fusion.define_backward)."""
         params = self._checked_params(params)
         self._validate_input("grad_out", grad_out)
-        if len(saved) != len(saved_names(self.cfg)):
-            raise ValueError(f"saved: expected {len(saved_names(self.cfg))} tensors "
-                             f"({', '.join(saved_names(self.cfg))}), got {len(saved)}")
+        names = saved_names(self.mode_cfg(dropout))
+        if len(saved) != len(names):
+            raise ValueError(f"saved: expected {len(names)} tensors ({', '.join(names)}), got {len(saved)}")
         return [grad_out.contiguous(), x.contiguous(), *params, *(t.contiguous() for t in saved)]
 
 
@@ -278,10 +288,11 @@ class _BlockFunction(torch.autograd.Function):
     """autograd glue: forward and backward fusions of one ShardedBlock."""
 
     @staticmethod
-    def forward(ctx, block: ShardedBlock, rng_seed: int, rng_offset: int, x, *params):
-        named, saved = block.forward_train(x, rng_seed, rng_offset, params)
-        ctx.block = block
-        ctx.names = ["x", *PARAM_NAMES, *saved_names(block.cfg)]   # what save_for_backward holds, in order
+    def forward(ctx, block: ShardedBlock, rng_seed: int, rng_offset: int, dropout: bool, x, *params):
+        named, saved = block.forward_train(x, rng_seed, rng_offset, params, dropout=dropout)
+        ctx.block, ctx.dropout = block, dropout
+        ctx.saved_names = saved_names(block.mode_cfg(dropout))
+        ctx.names = ["x", *PARAM_NAMES, *ctx.saved_names]   # what save_for_backward holds, in order
         ctx.save_for_backward(x, *params, *saved)
         return named["out"]
 
@@ -289,9 +300,9 @@ class _BlockFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         held = dict(zip(ctx.names, ctx.saved_tensors))
         params = [held[name] for name in PARAM_NAMES]
-        saved = [held[name] for name in saved_names(ctx.block.cfg)]
-        grad_x, grads = ctx.block.backward(grad_out, held["x"], saved, params=params)
-        return (None, None, None, grad_x, *grads)
+        saved = [held[name] for name in ctx.saved_names]
+        grad_x, grads = ctx.block.backward(grad_out, held["x"], saved, params=params, dropout=ctx.dropout)
+        return (None, None, None, None, grad_x, *grads)
 
 
 class TPBlock(torch.nn.Module):
@@ -318,7 +329,6 @@ class TPBlock(torch.nn.Module):
                                    keys_on_device=graphs)
         self.graphs = graphs
         self._graphed = None   # graphs.GraphedTraining, made at the first training-mode call
-        self._eval_runner = None
         self.shards = torch.nn.ParameterList()
         self.rng_seed, self.step = rng_seed, 0
 
@@ -334,11 +344,8 @@ class TPBlock(torch.nn.Module):
         return self.load_full_state_dict(from_hf_gpt2(state, self.cfg, layer))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        runner = self.runner
-        if not self.training and self.cfg.dropout > 0:
-            if self._eval_runner is None:
-                self._eval_runner = self.runner.without_dropout()
-            runner = self._eval_runner
+        """Training mode: dropout with the next step's masks. Eval mode: the same
+        runner's fusions without dropout (built at the first eval call); no step."""
         offset = self.step
         if self.training:
             self.step += 1
@@ -347,7 +354,7 @@ class TPBlock(torch.nn.Module):
                 if self._graphed is None:
                     self._graphed = GraphedTraining(self.runner)
                 return _GraphedBlockFunction.apply(self._graphed, self.rng_seed, offset, x, *self.shards)
-        return _BlockFunction.apply(runner, self.rng_seed, offset, x, *self.shards)
+        return _BlockFunction.apply(self.runner, self.rng_seed, offset, self.training, x, *self.shards)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Global parameter gradients in nanoGPT's layout (blocked c_attn), for checking.
