@@ -197,6 +197,18 @@ def _split_heads(fd, qkv, cfg):
     return tuple(part(i) for i in range(3))
 
 
+def _row_parallel_out(fd, h, w, linear: str, p: float, rng, masks: dict, stream: str, bse: list):
+    """A row-parallel linear's output in fp32, through its residual dropout
+    (mask `<stream>_keep`). The matmul's partial sums are reduced over tp before
+    the (replicated) bias is added, so the bias counts once."""
+    out = fd.ops.add(fd.ops.cast(fd.ops.linear(h, w[f"{linear}.weight"]), DataType.Float),
+                     fd.ops.cast(w[f"{linear}.bias"], DataType.Float))
+    if p > 0:
+        masks[f"{stream}_keep"] = _keep_mask(fd, bse, p, rng, stream)
+        out = _dropout(fd, out, masks[f"{stream}_keep"], p)
+    return out
+
+
 def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, train: bool = False,
                    keys_on_device: bool = False) -> ForwardFusion:
     """Define the block forward on global shapes inside `fd` (not yet sharded).
@@ -236,24 +248,13 @@ def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, 
     else:
         y = _causal_attention(fd, q, k, v, cfg, p, rng, masks)
     y = fd.ops.reshape(fd.ops.permute(y, dims=[0, 2, 1, 3]), new_shape=[b, s, e])  # (b, s, e)
-    # Row-parallel projection: the matmul's partial sums are reduced over tp
-    # before the (replicated) bias is added, so the bias counts once.
-    attn_out = fd.ops.add(fd.ops.cast(fd.ops.linear(y, w["attn.c_proj.weight"]), DataType.Float),
-                          fd.ops.cast(w["attn.c_proj.bias"], DataType.Float))
-    if p > 0:
-        masks["resid_attn_keep"] = _keep_mask(fd, [b, s, e], p, rng, "resid_attn")
-        attn_out = _dropout(fd, attn_out, masks["resid_attn_keep"], p)
-    x = saved["x1"] = fd.ops.add(x, attn_out)
+    x = saved["x1"] = fd.ops.add(x, _row_parallel_out(fd, y, w, "attn.c_proj", p, rng, masks, "resid_attn", [b, s, e]))
 
     ln_2, saved["ln_2.mean"], saved["ln_2.rstd"] = _layer_norm(fd, x, w["ln_2.weight"], w["ln_2.bias"], [b, s, e])
     ln_2 = fd.ops.cast(ln_2, dtype)
     mlp_hidden = saved["mlp_h"] = fd.ops.linear(ln_2, w["mlp.c_fc.weight"], w["mlp.c_fc.bias"])  # (b, s, 4e)
     mlp_hidden = fd.ops.cast(_gelu_tanh(fd, fd.ops.cast(mlp_hidden, DataType.Float)), dtype)
-    mlp_out = fd.ops.add(fd.ops.cast(fd.ops.linear(mlp_hidden, w["mlp.c_proj.weight"]), DataType.Float),
-                         fd.ops.cast(w["mlp.c_proj.bias"], DataType.Float))
-    if p > 0:
-        masks["resid_mlp_keep"] = _keep_mask(fd, [b, s, e], p, rng, "resid_mlp")
-        mlp_out = _dropout(fd, mlp_out, masks["resid_mlp_keep"], p)
+    mlp_out = _row_parallel_out(fd, mlp_hidden, w, "mlp.c_proj", p, rng, masks, "resid_mlp", [b, s, e])
     out = fd.ops.cast(fd.ops.add(x, mlp_out), dtype)
 
     ff.outputs["out"] = out
