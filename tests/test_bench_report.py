@@ -27,7 +27,8 @@ def test_ratios_to_eager_and_the_fastest_peer_and_the_graph_columns():
     from tpfuser.benchreport import add_ratios
     rep = copy.deepcopy(json.load(open(REPORTS[0])))
     rows = {name: {**r, "peak_mib_above_baseline": 1.0, "saved_activation_mib": 2.0} for name, r in rep["results"].items()}
-    rows["nvfuser-graph"] = {**rows["eager"], "median_ms": rows["eager"]["median_ms"] / 4, "graph_pool_mib": 3.0}
+    rows["nvfuser-graph"] = {**rows["eager"], "median_ms": rows["eager"]["median_ms"] / 4, "graph_pool_mib": 3.0,
+                             "reserved_mib": 4.0}
     del rows["nvfuser-graph"]["saved_activation_mib"]
     rows["eager-graph"] = {**rows["eager"], "median_ms": rows["eager"]["median_ms"] / 2}
     best = add_ratios(rows)
@@ -37,7 +38,8 @@ def test_ratios_to_eager_and_the_fastest_peer_and_the_graph_columns():
     table = format_table(rep)
     assert "vs peer: to eager-graph, the fastest peer" in table and "pool MiB" in table
     graph_line = next(line for line in table.splitlines() if line.startswith("nvfuser-graph "))
-    assert graph_line.split()[-3:] == ["1.0", "nan", "3.0"]   # peak, saved (none: no autograd), pool
+    assert graph_line.split()[-4:] == ["1.0", "nan", "3.0", "4.0"]   # peak, saved (none: no autograd), pool, held
+    assert "held MiB" in table
     assert add_ratios({"nvfuser": {"median_ms": 1.0}}) is None
 
 

@@ -58,7 +58,8 @@ for which in ("nanogpt", "gpt3", "nanogpt_train"):
         # a replayed graph allocates in its pool, made before: its peak above baseline reads 0 (not shown);
         # the captured peers have no saved-activation figure
         mem = "".join(f", {what} {r[key]:.0f} MiB" for key, what in (
-            ("peak_mib_above_baseline", "peak"), ("saved_activation_mib", "saved"), ("graph_pool_mib", "pool"))
+            ("peak_mib_above_baseline", "peak"), ("saved_activation_mib", "saved"), ("graph_pool_mib", "pool"),
+            ("reserved_mib", "held"))
             if r.get(key) is not None and r[key] == r[key] and not (key == "peak_mib_above_baseline" and r[key] == 0))
         rows.append((f"bench {which} {'fwd+bwd' if 'train' in which else 'fwd'} {name}",
                      f"{r['median_ms']:.3f} ms, x{r.get('ratio_to_eager', 0):.2f} eager, "

@@ -17,7 +17,8 @@ Each is also timed replayed from a CUDA graph: nvfuser-graph (tpfuser.graphs,
 new masks each replay), eager-graph (eager captured by hand) and
 compile-reduce-overhead (torch.compile's CUDA-graph mode); the table gives each
 implementation's ratio to eager and to the fastest peer (benchreport.add_ratios),
-and in a training step the memory a graph's pool holds.
+and in a training step the memory a graph's pool holds and what every
+implementation left the allocator holding (reserved, from an emptied cache).
 """
 
 from __future__ import annotations
@@ -367,7 +368,7 @@ def _train_fns(cfg, ref, x, impls, layout, rank, groups):
                 p.grad = None
             x.grad = None
         try:
-            memory[impl] = {"peak_mib_above_baseline": _warm_then_peak(step)}
+            memory[impl] = _warm_then_memory(step)
         except Exception as e:  # e.g. nvFuser failing to compile: report it, time the others
             failed[impl] = failure(e)
             continue
@@ -377,7 +378,7 @@ def _train_fns(cfg, ref, x, impls, layout, rank, groups):
     graphed = _graphed_train_fns(cfg, ref, x, grad, impls, layout, rank, groups)
     for impl, (step, pool) in graphed.items():
         try:
-            memory[impl] = {"peak_mib_above_baseline": _warm_then_peak(step), "graph_pool_mib": pool() / 2**20}
+            memory[impl] = {**_warm_then_memory(step), "graph_pool_mib": pool() / 2**20}
         except Exception as e:
             failed[impl] = failure(e)
             continue
@@ -385,9 +386,16 @@ def _train_fns(cfg, ref, x, impls, layout, rank, groups):
     return fns, memory, failed
 
 
-def _warm_then_peak(step) -> float:
-    """Three steps to warm up, then one more: its peak memory above what was
-    allocated before it, in MiB."""
+def _warm_then_memory(step) -> dict[str, float]:
+    """Three steps to warm up (compiles and captures included), then one more,
+    in MiB: its peak allocated above what was allocated before it (a graph
+    replays inside a pool made before: 0), and what the four steps left the
+    caching allocator reserving, from an emptied cache: the one figure every
+    implementation has, graph pools (torch.compile's reduce-overhead's too) and
+    a called step's transients alike."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved()
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -395,7 +403,8 @@ def _warm_then_peak(step) -> float:
     base = torch.cuda.memory_allocated()
     step()
     torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
+    return {"peak_mib_above_baseline": (torch.cuda.max_memory_allocated() - base) / 2**20,
+            "reserved_mib": (torch.cuda.memory_reserved() - reserved) / 2**20}
 
 
 def _graphed_train_fns(cfg, ref, x, grad, impls, layout, rank, groups):
