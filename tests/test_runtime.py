@@ -4,7 +4,8 @@ import torch
 
 from tpfuser.cli import NO_GPU, main
 from tpfuser.config import Layout, preset
-from tpfuser.reference import make_block
+from tpfuser.fusion import rng_input_names, saved_names
+from tpfuser.reference import PARAM_NAMES, make_block
 from tpfuser.runtime import ShardedBlock
 from tpfuser.world import check_world
 
@@ -76,7 +77,6 @@ def test_shard_input_is_this_ranks_batch_slice():
 def test_eval_mode_is_the_same_runner_with_fusions_without_dropout():
     """TPBlock's eval mode: the runner's own fusions built with dropout 0 (no keys,
     no masks saved), beside the training ones, each built once."""
-    from tpfuser.fusion import rng_input_names, saved_names
     cfg = preset("tiny", dtype="fp32", dropout=0.1)
     b = ShardedBlock(cfg, Layout(2, 2), rank=3, device=torch.device("cpu"))
     assert b.mode_cfg(True) is cfg and b.mode_cfg(False) == cfg.replace(dropout=0.0)
@@ -89,6 +89,44 @@ def test_eval_mode_is_the_same_runner_with_fusions_without_dropout():
                                                                             "resid_mlp_keep"}
     plain = ShardedBlock(cfg.replace(dropout=0.0), device=torch.device("cpu"))
     assert plain._fusion("forward", False) is plain.fusion   # nothing to switch off
+
+
+def test_module_modes_route_to_their_fusions(monkeypatch):
+    """TPBlock eval -> train -> eval, each with a backward, then eval under no_grad:
+    which fusion each call runs (the fusions' execute faked: no GPU), how many
+    inputs it gets (keys and masks only with dropout), each fusion built once,
+    one training step taken."""
+    from tpfuser.runtime import TPBlock
+    cfg = preset("tiny", dtype="fp32")
+    model = TPBlock(cfg, device=torch.device("cpu"))
+    monkeypatch.setattr(model.runner, "_validate", lambda *args: None)
+    model.load_full_state_dict(make_block(cfg).state_dict())
+    calls, runner, n = [], model.runner, len(PARAM_NAMES)
+
+    def fake(fusion, key):
+        def execute(inputs):
+            calls.append((*key, len(inputs)))
+            if key[0] == "backward":   # grad_x, then the parameters' (inputs: grad_out, x, params, saved)
+                return [torch.zeros_like(inputs[1]), *(torch.zeros_like(p) for p in inputs[2:2 + n])]
+            return [torch.zeros(1) for _ in fusion.outputs]
+        return execute
+    for kind in ("forward", "train", "backward"):
+        for dropout in (True, False):
+            f = runner._fusion(kind, dropout)
+            monkeypatch.setattr(f if kind == "backward" else f.fd, "execute", fake(f, (kind, dropout)))
+    x = torch.zeros(1, requires_grad=True)
+    for mode in ("eval", "train", "eval"):
+        getattr(model, mode)()
+        model(x).sum().backward()
+    with torch.no_grad():
+        model.eval()(x)
+    keys, masks = len(rng_input_names(cfg)), 3
+    assert calls == [("train", False, 1 + n), ("backward", False, 2 + n + len(saved_names(runner.mode_cfg(False)))),
+                     ("train", True, 1 + n + keys), ("backward", True, 2 + n + len(saved_names(cfg))),
+                     ("train", False, 1 + n), ("backward", False, 2 + n + len(saved_names(runner.mode_cfg(False)))),
+                     ("forward", False, 1 + n)]
+    assert len(saved_names(cfg)) - len(saved_names(runner.mode_cfg(False))) == masks
+    assert len(runner._fusions) == 6 and model.step == 1
 
 
 def test_rank_shards_are_the_slices_of_the_fusion_params():

@@ -392,8 +392,13 @@ def _warm_then_memory(step) -> dict[str, float]:
     replays inside a pool made before: 0), and what the four steps left the
     caching allocator reserving, from an emptied cache: the one figure every
     implementation has, graph pools (torch.compile's reduce-overhead's too) and
-    a called step's transients alike."""
+    a called step's transients alike. cuBLAS's per-stream workspaces are
+    cleared first, so each implementation pays for its own (torch.compile's
+    reduce-overhead clears them around its capture); NCCL's buffers are outside
+    the allocator and not counted."""
     torch.cuda.synchronize()
+    if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+        torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
     reserved = torch.cuda.memory_reserved()
     for _ in range(3):

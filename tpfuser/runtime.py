@@ -94,7 +94,6 @@ class ShardedBlock:
         self._keys = None   # the keys' CUDA tensor (keys_on_device), made at first use
         self._fusions = {}   # (kind, dropout): built at first use (_fusion)
         self.fusion = self._fusion("forward", True)
-        self.output_names = list(self.fusion.outputs)
         self._params: Optional[list[torch.Tensor]] = None
         self.dp_group = dp_group
         self.check_finite = check_finite
@@ -219,11 +218,11 @@ class ShardedBlock:
         return list(params)
 
     def __call__(self, x: torch.Tensor, rng_seed: int = 0, rng_offset: int = 0,
-                 dropout: bool = True) -> dict[str, torch.Tensor]:
+                 dropout: bool = True, params=None) -> dict[str, torch.Tensor]:
         """Run the fusion on this rank's input slice; returns this rank's outputs by name
         ('out', and with check=True the keep-masks of the dropouts). dropout=False:
-        the block without dropout (eval mode)."""
-        params = self._checked_params(None)
+        the block without dropout (eval mode). params: the shards to use (default: loaded)."""
+        params = self._checked_params(params)
         self._validate_input("x", x)
         fusion = self._fusion("forward", dropout)
         outs = self._execute_forward(fusion, x, params, rng_seed, rng_offset, dropout)
@@ -345,7 +344,10 @@ class TPBlock(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Training mode: dropout with the next step's masks. Eval mode: the same
-        runner's fusions without dropout (built at the first eval call); no step."""
+        runner's fusions without dropout (built at the first eval call), no step;
+        without autograd (torch.no_grad) the inference forward, which saves nothing."""
+        if not self.training and not torch.is_grad_enabled():
+            return self.runner(x, self.rng_seed, self.step, dropout=False, params=list(self.shards))["out"]
         offset = self.step
         if self.training:
             self.step += 1
