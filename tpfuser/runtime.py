@@ -92,6 +92,7 @@ class ShardedBlock:
         self._mesh_layout = layout if mesh else None
         self.keys_on_device = keys_on_device and cfg.dropout > 0
         self._keys = None   # the keys' CUDA tensor (keys_on_device), made at first use
+        self._eval_cfg = cfg.replace(dropout=0.0) if cfg.dropout > 0 else cfg   # mode_cfg(False), made once
         self._fusions = {}   # (kind, dropout): built at first use (_fusion)
         self.fusion = self._fusion("forward", True)
         self._params: Optional[list[torch.Tensor]] = None
@@ -129,7 +130,7 @@ class ShardedBlock:
     def mode_cfg(self, dropout: bool = True) -> BlockConfig:
         """The block's config as a call runs it: dropout=False (nn.Module's eval
         mode) is the block with dropout 0, whose fusions draw no masks."""
-        return self.cfg if dropout or self.cfg.dropout == 0 else self.cfg.replace(dropout=0.0)
+        return self.cfg if dropout else self._eval_cfg
 
     def _fusion(self, kind: str, dropout: bool):
         """The "forward", "train" (forward that saves for backward) or "backward"
