@@ -93,3 +93,26 @@ def test_sp_backward_as_posted_on_the_h200_matches_the_plan_in_any_order():
     assert not compare_collectives(posted, without_a_gradient, [0, 1, 2, 3])["matches"]
     swapped = [dict(p, kind="allreduce") if p["kind"] == "allgather" else p for p in posted]
     assert not compare_collectives(swapped, planned, [0, 1, 2, 3])["matches"]   # same count, other kinds
+
+
+def test_error_message_keeps_nested_segment_errors_and_drops_every_backtrace():
+    """Run 19's one-head failure was cut to 'executor_utils.cpp:511' by
+    error_line; the lines after it name the failing input."""
+    from tpfuser.commlog import error_message
+    e = RuntimeError("\n".join([
+        "INTERNAL ASSERT FAILED at fusion_kernel_runtime.cpp:476. Detected exception while compiling",
+        "Error from segmentation group 58:  INTERNAL ASSERT FAILED at executor_utils.cpp:511",
+        "When trying to run the provided host program, there was an error with the provided input 3.",
+        "Exception raised from bindInputs at executor_utils.cpp:511 (most recent call first):",
+        "frame #0: c10::Error::Error(...)",
+        "frame #1: nvfuser::bindInputs(...)",
+        "Expr eval provided the error:",
+        '"""Expected (stride)==(expected_stride_if_contiguous). Found 24 vs 8."""',
+        "Exception raised from validate at tensor_metadata.cpp:272 (most recent call first):",
+        "frame #0: c10::Error::Error(...)"]))
+    message = error_message(e)
+    assert "provided input 3" in message and "Found 24 vs 8" in message
+    assert "frame #" not in message and "Exception raised from" not in message
+    assert message.count("\n") == 4            # five lines kept
+    assert error_message(e, limit=10) == message[:10]
+    assert error_message(ValueError("")) == "ValueError"

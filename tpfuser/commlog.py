@@ -91,3 +91,12 @@ def error_line(e: BaseException, context: int = 1, limit: int = 600) -> str:
         return type(e).__name__
     i = next((i for i, ln in enumerate(lines) if any(m in ln for m in ERROR_MARKS)), 0)
     return " | ".join(lines[i:i + 1 + context])[:limit]
+
+
+def error_message(e: BaseException, limit: int = 4000) -> str:
+    """The whole message of an exception without the C++ backtraces nvFuser
+    appends ("Exception raised from" and its "frame #" lines): a nested segment
+    error keeps the lines that name the failing input, which error_line cuts."""
+    kept = [ln.rstrip() for ln in str(e).splitlines()
+            if ln.strip() and not ln.startswith(("Exception raised from", "frame #"))]
+    return "\n".join(kept)[:limit] or type(e).__name__

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from tpfuser.commlog import error_line
+from tpfuser.commlog import error_line, error_message
 from tpfuser.config import BlockConfig, Layout
 from tpfuser.sharegpu import SHARED_GPU_MARK
 
@@ -47,7 +47,7 @@ def _check_case(cfg: BlockConfig, layout: Layout, rank: int, args, dp_group) -> 
         return report.as_dict()
     except Exception as e:   # reported, and the next case runs
         return {"preset": args.preset, "dtype": cfg.dtype, "dropout": cfg.dropout, "rank": rank, "ok": False,
-                "error": error_line(e, context=2)}
+                "error": error_line(e, context=2), "error_message": error_message(e)}
 
 
 def run_checks(cfgs: list[BlockConfig], layout: Layout, args) -> int:
