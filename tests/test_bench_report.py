@@ -4,6 +4,7 @@ import glob
 import json
 
 import pytest
+import torch
 
 from tpfuser.benchreport import format_table, validate_report
 
@@ -93,3 +94,17 @@ def test_a_shared_gpu_report_says_its_timings_are_not_speed_figures():
     assert "not speed figures" not in format_table(rep)
     rep["gpus_shared"] = 1
     assert "ranks shared 1 GPU(s) (--share-gpu): these timings are not speed figures" in format_table(rep)
+
+
+def test_a_report_says_where_it_came_from(monkeypatch):
+    """Run 21's bench JSON had the GPU and torch but no date, nvFuser version,
+    command or commit: every report now carries meshcheck's environment."""
+    from tpfuser.bench import bench_command
+    from tpfuser.meshcheck import environment
+    assert bench_command(["/x/tpfuser/bench.py", "--preset", "nanogpt", "--train"]) == \
+        "python3 -m tpfuser.bench --preset nanogpt --train"
+    assert bench_command(["/usr/bin/tpfuser", "bench", "--tp", "2"]) == "tpfuser bench --tp 2"
+    monkeypatch.setenv("TPFUSER_COMMIT", "abc123")
+    env = environment("python3 -m tpfuser.bench --train")
+    assert env["command"] == "python3 -m tpfuser.bench --train" and env["commit"] == "abc123"
+    assert env["date"].startswith("20") and env["nvfuser"] != "?" and env["torch"] == torch.__version__

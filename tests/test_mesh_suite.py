@@ -55,3 +55,14 @@ def test_a_failed_graph_replay_fails_the_rank():
     assert rank["graphs"] and mesh_suite.passed(rank)
     rank["graphs"][next(iter(rank["graphs"]))] = False
     assert not mesh_suite.passed(rank)
+
+
+def test_a_suite_mesh_folder_is_named_by_its_run_and_later_runs_replace_earlier_rows():
+    """Run 20 (tiny 2x4 and 2x4 SP, 8 ranks each) wrote its reports under run20/mesh."""
+    assert mesh_suite.run_name("results/2026-12-03-h200/run20/mesh/") == "run20/mesh"
+    assert mesh_suite.run_name(RUN9) == "run9"
+    lines = mesh_suite.markdown_table([RUN9, "results/2026-12-03-h200/run20/mesh"]).splitlines()
+    row = next(line for line in lines if line.startswith("| tiny_2x4 | fp32 |"))
+    assert "| 8/8 | 2.2e-08 | 2.7e-07 | - | bit-exact | as planned | run20/mesh (20b74c5) |" in row
+    # the SP job ran fp32 only (its bf16 case ended at the call's bound): no bf16 row is made up
+    assert not any(line.startswith("| tiny_2x4_sp | bf16 |") for line in lines)

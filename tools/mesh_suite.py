@@ -106,6 +106,12 @@ def main(out: str, groups: list[str]) -> int:
     return 0 if all(s["ok"] for s in summary.values()) else 1
 
 
+def run_name(folder: str) -> str:
+    """A results folder's run: its own name, or its parent's for the suite's `mesh` folder (run19/mesh)."""
+    parts = os.path.normpath(folder).split(os.sep)
+    return "/".join(parts[-2:]) if parts[-1] == "mesh" and len(parts) > 1 else parts[-1]
+
+
 def recompared(rank: dict) -> dict | None:
     """The rank's stored posted collectives compared with today's plan (a report
     written before a plan's fix is judged by the fixed plan, not its own verdict)."""
@@ -182,7 +188,7 @@ def markdown_table(folders: list[str]) -> str:
                 continue
             tag = os.path.basename(path)[:-5]
             for dtype, c in summarize(report)["cases"].items():
-                rows[(tag, dtype)] = (c, report["environment"].get("commit") or "?", os.path.basename(folder.rstrip("/")))
+                rows[(tag, dtype)] = (c, report["environment"].get("commit") or "?", run_name(folder))
 
     def f(x):
         return "-" if x is None else f"{x:.1e}"

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from tpfuser.benchreport import add_ratios, format_table, validate_report
 from tpfuser.commlog import error_line
 from tpfuser.config import Layout, preset
+from tpfuser.meshcheck import environment
 from tpfuser.plan import backward_collectives, collectives, forward_flops, placements
 from tpfuser.reference import make_block, make_input, sdpa_forward
 from tpfuser.shard import local_slice
@@ -460,6 +461,14 @@ def add_arguments(ap) -> None:
                     help="run dp*tp ranks on fewer GPUs: to see it run, not for speed (the ranks time-share a GPU)")
 
 
+def bench_command(argv: list[str]) -> str:
+    """The command line that ran this process, as its user typed it: `python3 -m
+    tpfuser.bench ...` when this module was run, else `tpfuser ...` (the CLI)."""
+    if argv and os.path.basename(argv[0]) == "bench.py":
+        return "python3 -m tpfuser.bench " + " ".join(argv[1:])
+    return "tpfuser " + " ".join(argv[1:])
+
+
 def main(argv=None) -> int:
     from tpfuser.cli import ArgParser
     argv = sys.argv[1:] if argv is None else argv
@@ -501,6 +510,7 @@ def run(args, argv) -> int:
         return 0
     from tpfuser.sharegpu import SHARED_GPU_MARK
     rep["gpus_shared"] = int(os.environ.get(SHARED_GPU_MARK, "0"))   # > 0: timings are not speed figures
+    rep["environment"] = environment(bench_command(sys.argv))          # date, versions, command, commit
     validate_report(rep)
     if args.json:
         with open(args.json, "w") as f:

@@ -22,8 +22,9 @@ from tpfuser.config import BlockConfig, Layout
 from tpfuser.sharegpu import SHARED_GPU_MARK
 
 
-def environment() -> dict:
-    """Where the results come from: date, GPU, versions, command, commit."""
+def environment(command: str | None = None) -> dict:
+    """Where the results come from: date, GPU, versions, command (by default
+    `tpfuser` and this process's arguments), commit."""
     import nvfuser_direct
     commit = os.environ.get("TPFUSER_COMMIT")
     if commit is None:
@@ -33,9 +34,9 @@ def environment() -> dict:
         except (OSError, subprocess.SubprocessError):
             commit = None
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "gpu": torch.cuda.get_device_name(), "gpus_shared": int(os.environ.get(SHARED_GPU_MARK, "0")),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "gpus_shared": int(os.environ.get(SHARED_GPU_MARK, "0")),
             "torch": torch.__version__, "nvfuser": getattr(nvfuser_direct, "__version__", "?"),
-            "python": platform.python_version(), "command": "tpfuser " + " ".join(sys.argv[1:]), "commit": commit}
+            "python": platform.python_version(), "command": command or "tpfuser " + " ".join(sys.argv[1:]), "commit": commit}
 
 
 def _check_case(cfg: BlockConfig, layout: Layout, rank: int, args, dp_group) -> dict:
