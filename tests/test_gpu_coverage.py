@@ -1,0 +1,30 @@
+"""tools/gpu_coverage.py: which GPU tests a committed JUnit file says passed."""
+import sys
+
+sys.path.insert(0, "tools")
+import gpu_coverage  # noqa: E402
+
+JUNIT = """<testsuites><testsuite>
+<testcase classname="tests.test_gpu" name="test_a[fp32]" />
+<testcase classname="tests.test_gpu" name="test_b"><failure message="x"/></testcase>
+<testcase classname="tests.test_gpu" name="test_c"><skipped message="no CUDA"/></testcase>
+<testcase classname="tests.test_gpu" name="test_d"><error message="x"/></testcase>
+</testsuite></testsuites>"""
+
+
+def test_only_passed_cases_count_and_since_drops_earlier_runs(tmp_path):
+    for run in ("run2", "run10"):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "gpu_tests.xml").write_text(JUNIT)
+    passed = gpu_coverage.passed_in(str(tmp_path))
+    assert gpu_coverage.run_number(str(tmp_path / "run10" / "x.xml")) == 10
+    assert passed == {"tests/test_gpu.py::test_a[fp32]": ["run2", "run10"]}   # by run number, not name
+    assert gpu_coverage.passed_in(str(tmp_path), since=3) == {"tests/test_gpu.py::test_a[fp32]": ["run10"]}
+
+
+def test_the_committed_runs_name_real_gpu_tests():
+    ids = set(gpu_coverage.gpu_test_ids())
+    passed = gpu_coverage.passed_in("results")
+    assert len(ids) > 30 and passed
+    assert set(passed) <= ids        # a renamed or removed test would linger here as covered
+    assert "tests/test_gpu_graphs.py::test_tp_block_graphs_train_as_the_called_module[bf16]" in passed
