@@ -14,6 +14,8 @@
 #           (tools/mesh_suite.py; MESH picks groups or jobs, default "tiny nanogpt gpt3"; bound MESH_S)
 #   overlap the overlapped linears of issue 17 (tools/overlap_check.py) at tp 2 and 4, side by side,
 #           ranks sharing the GPU (correctness and the communications posted; not speed); bound OVERLAP_S
+#   onehead the one-head-per-rank probe (tools/repro_one_head.py, every form) at tp 2 with 2 and 4
+#           heads and at tp 8 with 8, side by side, ranks sharing the GPU; bound ONEHEAD_S
 #   graphs  CUDA graphs: tests/test_gpu_graphs.py at 1x1, and `check --graphs` at 1x2 and 2x2
 #           (replays against the called block, bit for bit), side by side; bound GRAPHS_S
 # SUITE_S: no step starts after this many seconds. At most 8 files come back from
@@ -86,6 +88,16 @@ step_overlap() {
   done
   wait
   grep -h "^rank 0" "$OUT"/overlap_tp*.txt | cut -c1-220
+}
+step_onehead() {
+  echo "== one head per rank: the q/k/v split and its gradient in each form (tools/repro_one_head.py)"
+  for run in 2:2 2:4 8:8; do
+    NVFUSER_MASTER_PORT=$((29700 + ${run%:*} * 10 + ${run#*:})) T ${ONEHEAD_S:-240} -- torchrun --standalone \
+      --nproc-per-node ${run%:*} --no-python .nvf/share_gpu.sh python3 tools/repro_one_head.py ${run#*:} \
+      > "$OUT/onehead_tp${run%:*}_h${run#*:}.txt" 2>&1 &
+  done
+  wait
+  grep -h "^rank 0:" "$OUT"/onehead_*.txt | cut -c1-300
 }
 step_gpt3() {
   echo "== benchmark: gpt3 forward at 1x1 (fewer samples: ~11 ms a call)"

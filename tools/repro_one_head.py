@@ -1,48 +1,130 @@
-"""Minimal nvFuser 0.2.36 reproducer: a strided slice with one head per rank.
+"""nvFuser 0.2.36 at one head per rank: the q/k/v split and its gradient's assembly, in each form.
 
-q and k are sliced out of qkv [b, s, h*3d] (rows head by head, as Megatron
-orders them) and multiplied; qkv's heads are split over tp. With h == tp (one
-head per rank) execution fails in validateAllocationSizesAndStrides: the slice
-output's size-1 head axis is marked non-contiguous and the sequence axis
-contiguous, but the validator skips the size-1 axis and expects the sequence
-stride to be d (it is 3d). With h == 2 tp it runs.
+    torchrun --nproc-per-node TP [.nvf/share_gpu.sh] python3 tools/repro_one_head.py HEADS [FORM ...]
 
-    torchrun --nproc-per-node 2 [share_gpu.sh] python3 tools/repro_one_head.py HEADS
+qkv [b, s, h*3d] (rows head by head: [h, 3, d], as the block orders them) is
+split over tp on its heads; q, k and v are taken out of it and attention-like
+products made, (q k^T) v; the backward part assembles g_qkv [b, s, h*3d] from
+g_q, g_k, g_v [b, h, s, d]. Each rank compares with torch.
+
+Forms (default: all):
+  slice   q, k, v as slices of the (b, s, h, 3d) view, g_qkv by cat: the block's
+          form. With h == tp (one head per rank) it fails in 0.2.36 (run 9):
+          the slice is a view whose size-1 head axis the stride validator skips,
+          "Expected (stride)==(expected_stride_if_contiguous). Found 24 vs 8".
+  select  q, k, v by select on the 3-axis of the (b, s, h, 3, d) view (SelectOp
+          is not an alias in alias_analysis.cpp: a kernel writes a fresh tensor);
+          g_qkv by cat.
+  onehot  q, k, v as sums over the 3-axis of (b, s, h, 3, d) times a one-hot of
+          iota(3) (no slice, no select); g_qkv as the sum of g_q, g_k, g_v
+          broadcast on the 3-axis times their one-hots (no cat: pointwise).
+  onehot_in  onehot with the one-hots the rows of an input, the identity [3, 3]
+          replicated on the mesh (in case iota's tensors, which no input
+          reaches, have no mesh for the multi-device passes).
+Not run on a GPU yet (written on the CPU, sixth session): the next session's probe.
 """
+from __future__ import annotations
+
 import os
 import sys
 
 import torch
-import nvfuser_direct as nvf
 from nvfuser_direct import DataType, FusionDefinition, ParallelType
 
-heads = int(sys.argv[1])
-b, s, d = 2, 8, 8
-comm = nvf.multidevice.Communicator.instance()
-tp, rank = comm.size(), comm.rank()
-torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-mesh = nvf.multidevice.DeviceMesh(torch.arange(tp))
-with FusionDefinition() as fd:
-    qkv = fd.define_tensor(shape=[b, s, heads * 3 * d], contiguity=True, dtype=DataType.Float)
-    t = fd.ops.reshape(qkv, new_shape=[b, s, heads, 3 * d])                       # (b, s, h, 3d)
-    q, k = (fd.ops.permute(fd.ops.slice(t, start_indices=[0, 0, 0, i * d], end_indices=[b, s, heads, (i + 1) * d]),
-                           dims=[0, 2, 1, 3]) for i in range(2))                  # (b, h, s, d)
-    scores = fd.ops.matmul(q, fd.ops.permute(k, dims=[0, 1, 3, 2]))               # (b, h, s, s)
-    fd.add_output(scores)
-    for tv, dim in ((qkv, 2), (scores, 1)):
+FORMS = ("slice", "select", "onehot", "onehot_in")
+B, S, D = 2, 8, 8
+
+
+def _one_hot(fd, i: int, eye=None):
+    """[1, 1, 1, 3, 1] float: 1 at i on the 3-axis (row i of eye when given, else from iota)."""
+    if eye is not None:
+        hot = fd.ops.select(eye, fd.define_scalar(i, dtype=DataType.Int), dim=0)
+    else:
+        hot = fd.ops.cast(fd.ops.eq(fd.ops.iota(fd.define_scalar(3, dtype=DataType.Int)), i), DataType.Float)
+    return fd.ops.broadcast_in_dim(hot, shape=[1, 1, 1, 3, 1], broadcast_dims=[3])
+
+
+def _take(fd, qkv, heads: int, i: int, form: str, eye=None):
+    """Part i (q, k or v) of qkv [b, s, h*3d] as (b, h, s, d)."""
+    if form == "slice":
+        t = fd.ops.reshape(qkv, new_shape=[B, S, heads, 3 * D])
+        t = fd.ops.slice(t, start_indices=[0, 0, 0, i * D], end_indices=[B, S, heads, (i + 1) * D])
+    else:
+        t = fd.ops.reshape(qkv, new_shape=[B, S, heads, 3, D])
+        t = fd.ops.select(t, fd.define_scalar(i, dtype=DataType.Int), dim=3) if form == "select" else \
+            fd.ops.sum(fd.ops.mul(t, _one_hot(fd, i, eye)), dims=[3])
+    return fd.ops.permute(t, dims=[0, 2, 1, 3])
+
+
+def _assemble(fd, grads, heads: int, form: str, eye=None):
+    """g_qkv [b, s, h*3d] from g_q, g_k, g_v, each (b, h, s, d)."""
+    parts = [fd.ops.permute(g, dims=[0, 2, 1, 3]) for g in grads]          # (b, s, h, d)
+    if form.startswith("onehot"):
+        spread = [fd.ops.mul(fd.ops.broadcast_in_dim(g, shape=[B, S, heads, 3, D], broadcast_dims=[0, 1, 2, 4]),
+                             _one_hot(fd, i, eye)) for i, g in enumerate(parts)]
+        g5 = fd.ops.add(fd.ops.add(spread[0], spread[1]), spread[2])       # (b, s, h, 3, d)
+        return fd.ops.reshape(g5, new_shape=[B, S, heads * 3 * D])
+    cat = fd.ops.cat(parts, dim=3, manual_padding=0)                      # (b, s, h, 3d)
+    return fd.ops.reshape(cat, new_shape=[B, S, heads * 3 * D])
+
+
+def define(fd: FusionDefinition, heads: int, tp: int, form: str, mesh=None) -> None:
+    """Inputs qkv [b, s, h*3d], g_q, g_k, g_v [b, h, s, d] (and for onehot_in the
+    identity [3, 3]); outputs (q k^T) v and g_qkv, every tensor but the identity
+    split over tp on its heads when a mesh is given."""
+    qkv = fd.define_tensor(shape=[B, S, heads * 3 * D], contiguity=True, dtype=DataType.Float)
+    grads = [fd.define_tensor(shape=[B, heads, S, D], contiguity=True, dtype=DataType.Float) for _ in range(3)]
+    eye = fd.define_tensor(shape=[3, 3], contiguity=True, dtype=DataType.Float) if form == "onehot_in" else None
+    q, k, v = (_take(fd, qkv, heads, i, "onehot" if eye is not None else form, eye) for i in range(3))
+    out = fd.ops.matmul(fd.ops.matmul(q, fd.ops.permute(k, dims=[0, 1, 3, 2])), v)   # (b, h, s, d)
+    g_qkv = _assemble(fd, grads, heads, form, eye)
+    fd.add_output(out)
+    fd.add_output(g_qkv)
+    if mesh is None:
+        return
+    if eye is not None:
+        eye.set_device_mesh(mesh)   # replicated
+    for tv, dim in ((qkv, 2), *((g, 1) for g in grads), (out, 1), (g_qkv, 2)):
         tv.set_device_mesh(mesh)
         tv.outer_split(dim, tp)
         tv.axis(dim).parallelize(ParallelType.mesh_x)
-full = torch.randn(b, s, heads * 3 * d, device="cuda")
-mine = full.chunk(tp, dim=2)[rank].contiguous()
-try:
-    (out,) = fd.execute([mine])
-    view = full.view(b, s, heads, 3, d)
-    qf, kf = view[:, :, :, 0].transpose(1, 2), view[:, :, :, 1].transpose(1, 2)
-    expected = (qf @ kf.transpose(-1, -2)).chunk(tp, dim=1)[rank]
-    print(f"rank {rank}: heads {heads} tp {tp}: ran, max error {(out - expected).abs().max().item():.1e}", flush=True)
-except RuntimeError as e:
-    line = next((ln for ln in str(e).splitlines() if "Expected" in ln), str(e).splitlines()[0])
-    print(f"rank {rank}: heads {heads} tp {tp}: FAILED: {line[:400]}", flush=True)
-sys.stdout.flush()
-os._exit(0)
+
+
+def expected(qkv, grads, heads):
+    """torch: (q k^T) v and g_qkv on the whole tensors."""
+    view = qkv.view(B, S, heads, 3, D)
+    q, k, v = (view[:, :, :, i].transpose(1, 2) for i in range(3))
+    g_qkv = torch.stack([g.transpose(1, 2) for g in grads], dim=3).reshape(B, S, heads * 3 * D)
+    return (q @ k.transpose(-1, -2)) @ v, g_qkv
+
+
+def main(argv: list[str]) -> int:
+    import nvfuser_direct as nvf
+    heads, forms = int(argv[0]), argv[1:] or list(FORMS)
+    comm = nvf.multidevice.Communicator.instance()
+    tp, rank = comm.size(), comm.rank()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    mesh = nvf.multidevice.DeviceMesh(torch.arange(tp))
+    torch.manual_seed(0)
+    qkv = torch.randn(B, S, heads * 3 * D, device="cuda")
+    grads = [torch.randn(B, heads, S, D, device="cuda") for _ in range(3)]
+    want_out, want_g = expected(qkv, grads, heads)
+    for form in forms:
+        with FusionDefinition() as fd:
+            define(fd, heads, tp, form, mesh)
+        try:
+            inputs = [qkv.chunk(tp, 2)[rank].contiguous(), *(g.chunk(tp, 1)[rank].contiguous() for g in grads)]
+            out, g_qkv = fd.execute(inputs + ([torch.eye(3, device="cuda")] if form == "onehot_in" else []))
+            err = max((out - want_out.chunk(tp, 1)[rank]).abs().max().item(),
+                      (g_qkv - want_g.chunk(tp, 2)[rank]).abs().max().item())
+            print(f"rank {rank}: {form:6} heads {heads} tp {tp}: ran, max error {err:.1e}", flush=True)
+        except RuntimeError as e:
+            line = next((ln for ln in str(e).splitlines() if "Expected" in ln or "ASSERT" in ln),
+                        str(e).splitlines()[0])
+            print(f"rank {rank}: {form:6} heads {heads} tp {tp}: FAILED: {line[:400]}", flush=True)
+    sys.stdout.flush()
+    os._exit(0)   # nvFuser's communicator at interpreter exit is not needed here
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
