@@ -107,4 +107,5 @@ def test_a_report_says_where_it_came_from(monkeypatch):
     monkeypatch.setenv("TPFUSER_COMMIT", "abc123")
     env = environment("python3 -m tpfuser.bench --train")
     assert env["command"] == "python3 -m tpfuser.bench --train" and env["commit"] == "abc123"
+    assert env["qkv_split"] == "slice"
     assert env["date"].startswith("20") and env["nvfuser"] != "?" and env["torch"] == torch.__version__

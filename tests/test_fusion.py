@@ -1,5 +1,6 @@
 """The fusions build on the CPU; their structure and every TensorView's
 sharding are what the plan says (read from the TensorViews' IterDomains)."""
+import os
 import re
 
 import pytest
@@ -107,3 +108,28 @@ def test_dropout_scalar_inputs(dtype, dropout, scalars):
     cfg = preset("tiny", dtype=dtype, dropout=dropout)
     ff = build_forward(cfg, Layout(1, 1))
     assert len(ff.fd.fusion.inputs()) == 13 + scalars == 13 + len(rng_input_names(cfg))
+
+
+@pytest.mark.parametrize("form, forward_has, backward_has", [
+    ("slice", {"slice"}, {"cat"}), ("select", {"select"}, {"cat"}), ("onehot", set(), set())])
+def test_qkv_split_forms_build_at_one_head_per_rank(monkeypatch, form, forward_has, backward_has):
+    """fusion.QKV_SPLIT (TPFUSER_QKV_SPLIT), the experiment for one head per rank:
+    each form builds on tiny's 1x8 and 2x4 SP meshes and takes q, k and v out of
+    qkv, and puts their gradients back, by its own ops only. Whether nvFuser runs
+    them is the GPU's to say (tools/repro_one_head.py, then the mesh suite)."""
+    from tpfuser import fusion
+    monkeypatch.setattr(fusion, "QKV_SPLIT", form)
+    for layout in (Layout(1, 8), Layout(2, 4, sp=True)):
+        cfg = preset("tiny", dtype="bf16")
+        forward = fusion.build_forward(cfg, layout, train=True).fd.fusion.print_math()
+        backward = fusion.build_backward(cfg, layout).fd.fusion.print_math()
+        assert {op for op in ("slice", "select") if op in forward} == forward_has
+        assert {op for op in ("cat",) if op in backward} == backward_has
+
+
+def test_qkv_split_is_checked_where_it_is_set():
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-c", "import tpfuser.fusion"], capture_output=True, text=True,
+                         env={**os.environ, "TPFUSER_QKV_SPLIT": "slices"})
+    assert run.returncode != 0 and "TPFUSER_QKV_SPLIT='slices': expected one of slice, select, onehot" in run.stderr

@@ -13,6 +13,7 @@ so that splitting its rows over tp gives each rank whole heads of q, k and v.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -28,6 +29,23 @@ from tpfuser.reference import LN_EPS, PARAM_NAMES, param_shapes
 from tpfuser.tensors import MASKS
 
 _NV_DTYPE = {torch.bfloat16: DataType.BFloat16, torch.float32: DataType.Float}
+
+# How q, k and v leave qkv, and their gradients return to it: an experiment
+# for one head per rank, which nvFuser 0.2.36 fails in the default form
+# (NOTES.md; tools/repro_one_head.py probes each form on its own).
+#   slice   slices of the (b, s, h, 3d) view, each through a kernel (the
+#           multiplication by one); the gradient by cat. Run 9's form: the
+#           default, every mesh but one head per rank checked with it.
+#   select  select on the 3-axis of the (b, s, h, 3, d) view (a kernel, not a
+#           view); the gradient by cat.
+#   onehot  sums over that 3-axis times a one-hot made from iota; the gradient
+#           the sum of the three broadcast on it times their one-hots
+#           (pointwise: neither a view nor a cat). Exact: one term is not zero.
+# Set with TPFUSER_QKV_SPLIT before tpfuser is imported; a report records it.
+QKV_SPLITS = ("slice", "select", "onehot")
+QKV_SPLIT = os.environ.get("TPFUSER_QKV_SPLIT", "slice")
+if QKV_SPLIT not in QKV_SPLITS:
+    raise ValueError(f"TPFUSER_QKV_SPLIT={QKV_SPLIT!r}: expected one of {', '.join(QKV_SPLITS)}")
 _MESH_AXIS = {DP: ParallelType.mesh_y, TP: ParallelType.mesh_x}
 
 # The dropouts drawn in the fusion hash (stream key, global position) (dropout.py),
@@ -179,22 +197,53 @@ def saved_names(cfg: BlockConfig) -> list[str]:
     return list(saved_specs(cfg))
 
 
+def _one_hot_3(fd, i: int, rank: int, axis: int):
+    """A float tensor of `rank` dimensions, 3 long on `axis` and 1 elsewhere: 1 at i."""
+    hot = fd.ops.cast(fd.ops.eq(fd.ops.iota(fd.define_scalar(3, dtype=DataType.Int)), i), DataType.Float)
+    return fd.ops.broadcast_in_dim(hot, shape=[3 if a == axis else 1 for a in range(rank)], broadcast_dims=[axis])
+
+
 def _split_heads(fd, qkv, cfg):
     """(b, s, 3e) with rows ordered [h, 3, d] -> q, k, v each (b, h, s, d), each
-    passed through a kernel (the multiplication by one) and saved for the
-    backward, which then slices nothing. Meant to spare nvFuser 0.2.36 the
-    strided views it misreads with one head per rank; it does not (nvFuser
-    still makes each slice a view first: run 9, NOTES.md has the reproducer).
-    This is the form the mesh checks of run 9 passed with."""
+    written by a kernel and saved for the backward, which then slices nothing
+    (QKV_SPLIT says how). The default's multiplication by one was meant to spare
+    nvFuser 0.2.36 the strided views it misreads with one head per rank; it does
+    not (nvFuser still makes each slice a view first: run 9, NOTES.md)."""
     b, s, h, d = cfg.batch, cfg.seq, cfg.n_head, cfg.head_dim
-    # Reshape before slicing, so that the tp split (on heads) is not sliced.
-    qkv = fd.ops.reshape(qkv, new_shape=[b, s, h, 3 * d])  # (b, s, h, 3d)
+    dtype = _NV_DTYPE[cfg.torch_dtype]
+    if QKV_SPLIT == "slice":
+        # Reshape before slicing, so that the tp split (on heads) is not sliced.
+        qkv = fd.ops.reshape(qkv, new_shape=[b, s, h, 3 * d])  # (b, s, h, 3d)
+    else:
+        qkv = fd.ops.reshape(qkv, new_shape=[b, s, h, 3, d])   # (b, s, h, 3, d)
 
     def part(i):
-        t = fd.ops.slice(qkv, start_indices=[0, 0, 0, i * d], end_indices=[b, s, h, (i + 1) * d])   # (b, s, h, d)
-        t = fd.ops.cast(fd.ops.mul(fd.ops.cast(t, DataType.Float), 1.0), _NV_DTYPE[cfg.torch_dtype])
+        if QKV_SPLIT == "slice":
+            t = fd.ops.slice(qkv, start_indices=[0, 0, 0, i * d], end_indices=[b, s, h, (i + 1) * d])   # (b, s, h, d)
+            t = fd.ops.cast(fd.ops.mul(fd.ops.cast(t, DataType.Float), 1.0), dtype)
+        elif QKV_SPLIT == "select":
+            t = fd.ops.select(qkv, fd.define_scalar(i, dtype=DataType.Int), dim=3)
+        else:
+            t = fd.ops.sum(fd.ops.mul(fd.ops.cast(qkv, DataType.Float), _one_hot_3(fd, i, 5, 3)), dims=[3])
+            t = fd.ops.cast(t, dtype)
         return fd.ops.permute(t, dims=[0, 2, 1, 3])   # (b, h, s, d)
     return tuple(part(i) for i in range(3))
+
+
+def _join_heads_grad(fd, g_q, g_k, g_v, cfg):
+    """The gradient of qkv, (b, s, 3e) in the block's dtype with rows [h, 3, d],
+    from those of q, k and v, each (b, h, s, d) (QKV_SPLIT says how)."""
+    b, s, e, h, d = cfg.batch, cfg.seq, cfg.n_embd, cfg.n_head, cfg.head_dim
+    parts = [fd.ops.permute(t, dims=[0, 2, 1, 3]) for t in (g_q, g_k, g_v)]   # (b, s, h, d)
+    if QKV_SPLIT == "onehot":
+        spread = [fd.ops.mul(fd.ops.broadcast_in_dim(fd.ops.cast(t, DataType.Float), shape=[b, s, h, 3, d],
+                                                     broadcast_dims=[0, 1, 2, 4]), _one_hot_3(fd, i, 5, 3))
+                  for i, t in enumerate(parts)]
+        g_qkv = fd.ops.add(fd.ops.add(spread[0], spread[1]), spread[2])
+        return fd.ops.cast(fd.ops.reshape(g_qkv, new_shape=[b, s, 3 * e]), _NV_DTYPE[cfg.torch_dtype])
+    # cat before the reshape, so that the concatenation is not along the
+    # tp-split dimension (heads)
+    return fd.ops.reshape(fd.ops.cat(parts, dim=3, manual_padding=0), new_shape=[b, s, 3 * e])
 
 
 def _row_parallel_out(fd, h, w, linear: str, p: float, rng, masks: dict, stream: str, bse: list):
@@ -506,10 +555,7 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None) -> Bac
             fd.define_scalar(True, dtype=DataType.Bool), w["sdpa_seed"], w["sdpa_offset"], None)
     else:
         g_q, g_k, g_v = _causal_attention_backward(fd, g_y, q, k, v, probs, keep, dropped, cfg, p)
-    # Back to the fusion's qkv row order, [h, 3, d]: cat before the reshape, so
-    # that the concatenation is not along the tp-split dimension (heads).
-    g_qkv = fd.ops.cat([fd.ops.permute(t, dims=[0, 2, 1, 3]) for t in (g_q, g_k, g_v)], dim=3, manual_padding=0)
-    g_qkv = fd.ops.reshape(g_qkv, new_shape=[b, s, 3 * e])                 # (b, s, 3e)
+    g_qkv = _join_heads_grad(fd, g_q, g_k, g_v, cfg)                      # (b, s, 3e)
     grads["attn.c_attn.bias"] = _sum_rows(fd, fd.ops.cast(g_qkv, DataType.Float))
     g_x, more, placed = _ln_linear_backward(fd, fd.ops.cast(g_qkv, dtype), "attn.c_attn",
                                             fd.ops.cast(w["x"], DataType.Float), "ln_1", w, cfg)

@@ -24,8 +24,11 @@ from tpfuser.sharegpu import SHARED_GPU_MARK
 
 def environment(command: str | None = None) -> dict:
     """Where the results come from: date, GPU, versions, command (by default
-    `tpfuser` and this process's arguments), commit."""
+    `tpfuser` and this process's arguments), commit, and the fusion's form of
+    the q/k/v split (fusion.QKV_SPLIT, an experiment's switch)."""
     import nvfuser_direct
+
+    from tpfuser.fusion import QKV_SPLIT
     commit = os.environ.get("TPFUSER_COMMIT")
     if commit is None:
         try:
@@ -36,7 +39,8 @@ def environment(command: str | None = None) -> dict:
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "gpus_shared": int(os.environ.get(SHARED_GPU_MARK, "0")),
             "torch": torch.__version__, "nvfuser": getattr(nvfuser_direct, "__version__", "?"),
-            "python": platform.python_version(), "command": command or "tpfuser " + " ".join(sys.argv[1:]), "commit": commit}
+            "python": platform.python_version(), "command": command or "tpfuser " + " ".join(sys.argv[1:]), "commit": commit,
+            "qkv_split": QKV_SPLIT}
 
 
 def _check_case(cfg: BlockConfig, layout: Layout, rank: int, args, dp_group) -> dict:
