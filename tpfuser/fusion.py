@@ -40,7 +40,7 @@ _NV_DTYPE = {torch.bfloat16: DataType.BFloat16, torch.float32: DataType.Float}
 #           view); the gradient by cat.
 #   onehot  sums over that 3-axis times a one-hot made from iota; the gradient
 #           the sum of the three broadcast on it times their one-hots
-#           (pointwise: neither a view nor a cat). Exact: one term is not zero.
+#           (pointwise: neither a view nor a cat). Exact for finite values.
 # Set with TPFUSER_QKV_SPLIT before tpfuser is imported; a report records it.
 QKV_SPLITS = ("slice", "select", "onehot")
 QKV_SPLIT = os.environ.get("TPFUSER_QKV_SPLIT", "slice")
