@@ -105,7 +105,7 @@ def test_error_message_keeps_nested_segment_errors_and_drops_every_backtrace():
         "When trying to run the provided host program, there was an error with the provided input 3.",
         "Exception raised from bindInputs at executor_utils.cpp:511 (most recent call first):",
         "frame #0: c10::Error::Error(...)",
-        "frame #1: nvfuser::bindInputs(...)",
+        "  frame #1: nvfuser::bindInputs(...)",
         "Expr eval provided the error:",
         '"""Expected (stride)==(expected_stride_if_contiguous). Found 24 vs 8."""',
         "Exception raised from validate at tensor_metadata.cpp:272 (most recent call first):",

@@ -58,11 +58,26 @@ def test_a_failed_graph_replay_fails_the_rank():
 
 
 def test_a_suite_mesh_folder_is_named_by_its_run_and_later_runs_replace_earlier_rows():
-    """Run 20 (tiny 2x4 and 2x4 SP, 8 ranks each) wrote its reports under run20/mesh."""
+    """Runs 19 and 20 wrote their reports under runN/mesh; run 19's tiny 1x2 SP
+    (fp32 and bf16) replaces run 17's (fp32 only) in the table."""
     assert mesh_suite.run_name("results/2026-12-03-h200/run20/mesh/") == "run20/mesh"
     assert mesh_suite.run_name(RUN9) == "run9"
-    lines = mesh_suite.markdown_table([RUN9, "results/2026-12-03-h200/run20/mesh"]).splitlines()
+    runs = ["results/2026-12-03-h200/run17", "results/2026-12-03-h200/run19/mesh",
+            "results/2026-12-03-h200/run20/mesh"]
+    lines = mesh_suite.markdown_table(runs).splitlines()
     row = next(line for line in lines if line.startswith("| tiny_2x4 | fp32 |"))
     assert "| 8/8 | 2.2e-08 | 2.7e-07 | - | bit-exact | as planned | run20/mesh (20b74c5) |" in row
+    sp_rows = [line for line in lines if line.startswith("| tiny_1x2_sp |")]
+    assert len(sp_rows) == 2 and all("| run19/mesh (20b74c5) |" in line for line in sp_rows)
+    assert "| run17 (06960ab) |" in mesh_suite.markdown_table(runs[:1])   # what it replaced
     # the SP job ran fp32 only (its bf16 case ended at the call's bound): no bf16 row is made up
     assert not any(line.startswith("| tiny_2x4_sp | bf16 |") for line in lines)
+
+
+def test_a_job_cut_before_all_its_dtypes_ran_fails():
+    """Run 20's tiny 2x4 SP: its fp32 case passed on every rank, its bf16 case never ran."""
+    report = json.load(open("results/2026-12-03-h200/run20/mesh/tiny_2x4_sp.json"))
+    summary = mesh_suite.summarize(report)
+    assert summary["cases"]["fp32"]["ranks_ok"] == 8 and summary["missing"] == ["bf16"]
+    assert not summary["ok"]
+    assert "tiny_2x4_sp        bf16  not run" in mesh_suite.format_summary({"tiny_2x4_sp": {**summary, "seconds": 476}})

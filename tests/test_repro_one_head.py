@@ -21,13 +21,16 @@ def test_each_form_uses_its_ops_and_no_other(form, ops):
     assert {op for op in ("slice", "select", "cat(", "iota") if op in text} == ops
 
 
-def test_the_oracle_puts_each_gradient_where_its_part_came_from():
+def test_the_oracle_reads_and_writes_the_rows_head_by_head():
+    """Row (head j, part i, element c) of qkv is column (3 j + i) d + c: the
+    oracle's q, k, v and g_qkv checked by indexing those columns directly."""
     b, s, d, h = repro_one_head.B, repro_one_head.S, repro_one_head.D, 4
     qkv = torch.randn(b, s, h * 3 * d, dtype=torch.float64)
     grads = [torch.randn(b, h, s, d, dtype=torch.float64) for _ in range(3)]
     out, g_qkv = repro_one_head.expected(qkv, grads, h)
-    rows = g_qkv.view(b, s, h, 3, d)
-    for i, g in enumerate(grads):
-        assert torch.equal(rows[:, :, :, i].transpose(1, 2), g)
-    q, k, v = (qkv.view(b, s, h, 3, d)[:, :, :, i].transpose(1, 2) for i in range(3))
-    assert torch.allclose(out, torch.einsum("bhst,bhtd->bhsd", torch.einsum("bhsd,bhtd->bhst", q, k), v))
+    for j in range(h):
+        cols = [slice((3 * j + i) * d, (3 * j + i + 1) * d) for i in range(3)]
+        q, k, v = (qkv[:, :, c] for c in cols)                                 # (b, s, d), head j
+        assert torch.allclose(out[:, j], (q @ k.transpose(1, 2)) @ v)
+        for i, c in enumerate(cols):
+            assert torch.equal(g_qkv[:, :, c], grads[i][:, j])

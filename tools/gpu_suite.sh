@@ -97,7 +97,7 @@ step_onehead() {
       > "$OUT/onehead_tp${run%:*}_h${run#*:}.txt" 2>&1 &
   done
   wait
-  grep -h "^rank 0:" "$OUT"/onehead_*.txt | cut -c1-300
+  grep -h "^rank 0:" "$OUT"/onehead_*.txt | cut -c1-400
 }
 step_gpt3() {
   echo "== benchmark: gpt3 forward at 1x1 (fewer samples: ~11 ms a call)"

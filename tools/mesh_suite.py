@@ -134,9 +134,13 @@ def passed(rank: dict) -> bool:
 
 
 def summarize(report: dict) -> dict:
-    """Per dtype: ranks passed, worst output and gradient errors, masks, collectives."""
-    out = {"ok": all(passed(r) for case in report["cases"] for r in case["ranks"]),
-           "environment": report["environment"], "cases": {}}
+    """Per dtype: ranks passed, worst output and gradient errors, masks,
+    collectives; `missing`, the dtypes asked for that never ran (a job ended at
+    its time bound), which fail the job."""
+    ran = {case["dtype"] for case in report["cases"]}
+    missing = [cfg["dtype"] for cfg in report.get("config", []) if cfg["dtype"] not in ran]
+    out = {"ok": not missing and all(passed(r) for case in report["cases"] for r in case["ranks"]),
+           "environment": report["environment"], "cases": {}, "missing": missing}
     for case in report["cases"]:
         ranks = case["ranks"]
         fine = [r for r in ranks if "error" not in r]
@@ -167,6 +171,8 @@ def format_summary(summary: dict) -> str:
         if "cases" not in s:
             lines.append(f"{tag:18} exit {s['rc']}: {s.get('error')}")
             continue
+        for dtype in s.get("missing", []):
+            lines.append(f"{tag:18} {dtype:5} not run: the job ended first")
         for dtype, c in s["cases"].items():
             def f(x):
                 return "-" if x is None else f"{x:.1e}"

@@ -46,6 +46,8 @@ if os.path.exists(mesh):
                          f"grads {f(c['worst_grad'])}, masks {'-' if c['masks_equal'] is None else 'equal' if c['masks_equal'] else 'DIFFER'}, "
                          f"collectives {'-' if c['collectives_match'] is None else 'as planned' if c['collectives_match'] else 'NOT as planned'}"
                          + (f"; {c['errors'][0][:100]}" if c["errors"] else "")))
+        for dtype in m.get("missing", []):
+            rows.append((f"mesh {tag} {dtype}", "NOT RUN: the job ended first"))
         if "cases" not in m:
             rows.append((f"mesh {tag}", f"exit {m['rc']}: {m.get('error')}"))
 for which in ("nanogpt", "gpt3", "nanogpt_train"):

@@ -98,5 +98,5 @@ def error_message(e: BaseException, limit: int = 4000) -> str:
     appends ("Exception raised from" and its "frame #" lines): a nested segment
     error keeps the lines that name the failing input, which error_line cuts."""
     kept = [ln.rstrip() for ln in str(e).splitlines()
-            if ln.strip() and not ln.startswith(("Exception raised from", "frame #"))]
+            if ln.strip() and not ln.lstrip().startswith(("Exception raised from", "frame #"))]
     return "\n".join(kept)[:limit] or type(e).__name__
