@@ -6,7 +6,9 @@ import torch
 
 from tpfuser.check import Case, RankReport, oracle_masks, rank_masks, rank_slices, reference
 from tpfuser.config import Layout, preset
+from tpfuser.fusion import saved_names
 from tpfuser.plan import placements
+from tpfuser.reference import PARAM_NAMES
 from tpfuser.runtime import MASKED
 from tpfuser.shard import gather
 
@@ -79,3 +81,51 @@ def test_every_bound_says_why():
     assert {q for _, q in BOUNDS} == {"out", "grad", "wrong_stream"}
     assert all(len(why) > 40 for _, why in BOUNDS.values())
     assert bound("fp32", "out") < bound("bf16", "out") < bound("bf16", "grad")
+
+
+class _ExactBlock:
+    """A stand-in for ShardedBlock that returns the reference's own figures
+    (perturbed where asked): check()'s comparison and report run on the CPU."""
+    exp: dict = {}
+    masks: dict = {}
+    perturb: str | None = None
+
+    def __init__(self, cfg, *args, **kwargs):
+        self.cfg = cfg
+
+    def load_shards(self, shards):
+        assert len(shards) == len(PARAM_NAMES)
+
+    def __call__(self, x, seed, offset):
+        return {"out": self.exp["out"], **self.masks}
+
+    def forward_train(self, x, seed, offset):
+        return {"out": self.exp["out"]}, [self.masks.get(n, torch.zeros(1)) for n in saved_names(self.cfg)]
+
+    def backward(self, grad_out, x, saved):
+        grads = [self.exp[f"grad.{n}"] * (1.01 if n == self.perturb else 1.0) for n in PARAM_NAMES]
+        return self.exp["grad_x"], grads
+
+
+@pytest.mark.parametrize("perturb", [None, "mlp.c_fc.weight"])
+def test_check_compares_every_output_and_times_every_phase(monkeypatch, perturb):
+    import tpfuser.check as check_module
+    case = Case(preset("tiny", dtype="fp32"))
+    real_expectations = check_module.expectations
+
+    def expectations(*args, **kwargs):
+        _ExactBlock.exp = real_expectations(*args, **kwargs)
+        return _ExactBlock.exp
+    _ExactBlock.masks = rank_masks(case, 0, torch.device("cpu"))
+    _ExactBlock.perturb = perturb
+    monkeypatch.setattr(check_module, "expectations", expectations)
+    monkeypatch.setattr(check_module, "ShardedBlock", _ExactBlock)
+    report = check_module.check(case, device=torch.device("cpu"))
+    assert list(report.seconds) == ["reference", "forward", "training forward", "backward"]
+    assert all(t >= 0 for t in report.seconds.values())
+    assert report.forward["rel_err"] == 0 and not any(report.forward["mask_mismatches"].values())
+    if perturb is None:
+        assert report.ok and report.backward["worst"] == 0
+    else:   # one gradient 1% off: named, and the rank fails
+        assert not report.ok and report.backward["worst_tensor"] == perturb
+        assert report.backward["worst"] == pytest.approx(0.01, rel=1e-6)

@@ -14,6 +14,15 @@ def _report(name):
     return json.load(open(f"{RUN9}/{name}.json"))
 
 
+def test_the_slowest_rank_per_phase():
+    report = _report("tiny_2x2")
+    for case in report["cases"]:
+        for r in case["ranks"]:
+            r["seconds"] = {"reference": 1.0 + r["rank"], "forward": 30.0 - r["rank"]}
+    case = mesh_suite.summarize(report)["cases"]["fp32"]
+    assert case["seconds"] == {"reference": 4.0, "forward": 30.0}
+
+
 def test_verdicts_are_recomputed_from_the_figures():
     # written under the old 5x wrong-stream rule (tiny: 3.1-4.1x), passing under today's 2x
     tiny = _report("tiny_2x2")
@@ -79,5 +88,6 @@ def test_a_job_cut_before_all_its_dtypes_ran_fails():
     report = json.load(open("results/2026-12-03-h200/run20/mesh/tiny_2x4_sp.json"))
     summary = mesh_suite.summarize(report)
     assert summary["cases"]["fp32"]["ranks_ok"] == 8 and summary["missing"] == ["bf16"]
+    assert summary["cases"]["fp32"]["seconds"] == {}        # reports before this session carry no times
     assert not summary["ok"]
     assert "tiny_2x4_sp        bf16  not run" in mesh_suite.format_summary({"tiny_2x4_sp": {**summary, "seconds": 476}})

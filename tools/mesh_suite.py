@@ -157,6 +157,9 @@ def summarize(report: dict) -> dict:
             "collectives_match": all(all(p["matches"] for p in (recompared(r) or {}).values()) for r in fine)
                                  if fine else None,
             "errors": sorted({r["error"][:200] for r in ranks if "error" in r}),
+            # the slowest rank's seconds per phase (first calls: compile included)
+            "seconds": {phase: max(r["seconds"][phase] for r in fine if phase in r.get("seconds", {}))
+                        for phase in dict.fromkeys(p for r in fine for p in r.get("seconds", {}))},
         }
     return out
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
@@ -225,6 +226,7 @@ class RankReport:
     backward: dict | None = None
     collectives: dict | None = None
     graphs: dict | None = None   # {what: bool}: replays equal to the called block, new masks at the next offset
+    seconds: dict = field(default_factory=dict)   # wall time per phase, a fusion's first call (its compile) included
 
     @property
     def ok(self) -> bool:
@@ -251,7 +253,8 @@ def _mask_mismatches(tensors: dict[str, torch.Tensor], expected: dict[str, torch
 
 
 def check(case: Case, rank: int = 0, backward: bool = True, mesh: bool = True, dp_group=None,
-          record_collectives: bool = False, preset_name: str = "", graphs: bool = False) -> RankReport:
+          record_collectives: bool = False, preset_name: str = "", graphs: bool = False,
+          device: torch.device | None = None) -> RankReport:
     """Run this rank's fusions on its slices and compare with the reference's.
 
     The forward is the checking fusion (its masks as outputs); with `backward`,
@@ -261,20 +264,30 @@ def check(case: Case, rank: int = 0, backward: bool = True, mesh: bool = True, d
     started) and compare it with the plan. graphs: also replay the forward (and
     the training step) from CUDA graphs (graphs.py) and compare them with the
     called block bit for bit. Needs torch.distributed initialized when the
-    mesh has several ranks."""
+    mesh has several ranks. device: the current CUDA device unless given."""
     cfg, layout = case.cfg, case.layout
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    clock = [time.perf_counter()]
+
+    def lap(phase: str) -> None:   # the seconds since the last lap, once the GPU is done
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        clock.append(time.perf_counter())
+        report.seconds[phase] = round(clock[-1] - clock[-2], 2)
+
+    report = RankReport(preset_name, cfg.dtype, cfg.dropout, f"{layout.dp}x{layout.tp}", layout.sp, rank)
     exp = expectations(case, rank, device, backward)
+    lap("reference")
     block = ShardedBlock(cfg, layout, rank, check=True, device=device, mesh=mesh, dp_group=dp_group)
     block.load_shards([exp[f"param.{n}"] for n in PARAM_NAMES])
     x, grad_out = exp["x"].to(cfg.torch_dtype), exp["grad_out"].to(cfg.torch_dtype)
     masks = rank_masks(case, rank, device)
-    report = RankReport(preset_name, cfg.dtype, cfg.dropout, f"{layout.dp}x{layout.tp}", layout.sp, rank)
     capture = captured_communications if record_collectives else (lambda: nullcontext([]))
     posted = {}
 
     with capture() as posted["forward"]:
         outs = block(x, case.rng_seed, case.rng_offset)
+    lap("forward")
     out, xf = outs["out"], exp["x"]
     report.forward = {"rel_err": rel_l2(out, exp["out"]), "branch_rel_err": rel_l2(out.float() - xf, exp["out"] - xf),
                       "tolerance": bound(cfg.dtype, "out"), "mask_mismatches": _mask_mismatches(outs, masks),
@@ -285,8 +298,10 @@ def check(case: Case, rank: int = 0, backward: bool = True, mesh: bool = True, d
     if backward:
         with capture() as posted["training forward"]:
             named, saved = block.forward_train(x, case.rng_seed, case.rng_offset)
+        lap("training forward")
         with capture() as posted["backward"]:
             grad_x, grads = block.backward(grad_out, x, saved)
+        lap("backward")
         errors = {"out": rel_l2(named["out"], exp["out"]), "x": rel_l2(grad_x, exp["grad_x"])}
         errors |= {n: rel_l2(g, exp[f"grad.{n}"]) for n, g in zip(PARAM_NAMES, grads)}
         worst = max(errors, key=errors.get)
@@ -295,6 +310,7 @@ def check(case: Case, rank: int = 0, backward: bool = True, mesh: bool = True, d
                            "mask_mismatches": _mask_mismatches(dict(zip(saved_names(cfg), saved)), masks)}
     if graphs:
         report.graphs = graph_equality(case, rank, exp, outs, backward, dp_group, mesh)
+        lap("graphs")
     if record_collectives:
         report.collectives = compare_with_plan(posted, cfg, layout, rank)
     return report
