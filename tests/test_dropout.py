@@ -110,3 +110,24 @@ def test_flash_seed_is_a_stream_per_rank_and_call():
     assert len(seeds) == 2 * 3 * 2 * 8                       # every (seed, offset, dp rank, tp rank) its own
     assert all(0 <= x < 2 ** 63 for x in seeds)              # a valid torch generator seed
     assert flash_seed(5, 7, 1, 3) == flash_seed(5, 7, 1, 3)  # no state: any process replays it
+
+
+def test_the_hosts_int_hash_is_the_fusions_hash():
+    """mix32 on a Python int takes plain arithmetic (tools/host_overhead.py: the
+    keys were most of a call's host time); the torch path, which the fusion's
+    nvFuser ops mirror, must give the same 32-bit values."""
+    from tpfuser.dropout import mix32
+    g = torch.Generator().manual_seed(5)
+    values = torch.cat([torch.randint(0, 2**32, (4000,), generator=g, dtype=torch.int64),
+                        torch.tensor([0, 1, 2**16 - 1, 2**16, 2**31 - 1, 2**31, 2**32 - 1])])
+    assert [mix32(int(v)) for v in values] == mix32(values).tolist()
+    assert all(type(mix32(int(v))) is int and 0 <= mix32(int(v)) < 2**32 for v in values[-7:])
+
+
+def test_a_blocks_cached_starts_are_dropout_scalars_own():
+    from tpfuser.runtime import ShardedBlock, mask_starts
+    cfg = preset("tiny", dtype="fp32")
+    for layout, rank in ((Layout(2, 4), 6), (Layout(2, 4, sp=True), 5), (Layout(1, 8, sp=True), 7)):
+        block = ShardedBlock(cfg, layout, rank, device=torch.device("cpu"))
+        assert block._mask_starts == mask_starts(cfg, layout, rank)
+        assert dropout_scalars(cfg, layout, rank, 3, 9, block._mask_starts) == dropout_scalars(cfg, layout, rank, 3, 9)

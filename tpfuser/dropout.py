@@ -15,7 +15,8 @@ The hash is `lowbias32` (Chris Wellons' hash-prospector: xorshift-multiply,
 two rounds, bias 0.17), applied twice with the key mixed in before each round,
 on 32-bit values held in int64 (nvFuser's integer type). Multiplying two
 32-bit values would overflow int64, so `_mul32` multiplies by the constant's
-two 16-bit halves. The one algorithm below runs on Python ints (the host's
+two 16-bit halves (a Python int, which cannot overflow, takes plain arithmetic:
+`_mix32_int`, tested equal). The one algorithm below runs on Python ints (the host's
 keys), on torch int64 tensors (the oracle the tests compare the fusion with),
 and, through fusion.py's adapter, on nvFuser TensorViews: all three use only
 xor, and, shifts, add and multiplication by a constant.
@@ -47,11 +48,23 @@ def _mul32(x, c: int, ops):
 
 def mix32(x, ops=PLAIN_OPS):
     """lowbias32 of 0 <= x < 2**32: a bijection of 32-bit values with good avalanche."""
+    if type(x) is int:   # the host's keys: Python ints multiply exactly, no 16-bit halves needed
+        return _mix32_int(x)
     x = ops.xor(x, ops.shr(x, 16))
     x = _mul32(x, MUL1, ops)
     x = ops.xor(x, ops.shr(x, 15))
     x = _mul32(x, MUL2, ops)
     return ops.xor(x, ops.shr(x, 16))
+
+
+def _mix32_int(x: int) -> int:
+    """mix32 on one Python int, the same function in plain arithmetic (a key
+    is 30 rounds a call: the generic path's 16-bit halves cost more than the call)."""
+    x ^= x >> 16
+    x = (x * MUL1) & M32
+    x ^= x >> 15
+    x = (x * MUL2) & M32
+    return x ^ (x >> 16)
 
 
 def hash_positions(index, key: int | object, ops=PLAIN_OPS):

@@ -33,18 +33,25 @@ def mask_shape(cfg: BlockConfig, stream: str) -> tuple[int, ...]:
     return MASKS[stream].shape(cfg)
 
 
-def dropout_scalars(cfg: BlockConfig, layout: Layout, rank: int, rng_seed: int, rng_offset: int) -> dict[str, int]:
-    """The fusion's dropout inputs for this rank (fusion.rng_input_names): every
-    stream's key, the same on all ranks (dropout.stream_key), and where this
-    rank's slice of each masked tensor begins in the global tensor."""
-    values = {}
+def mask_starts(cfg: BlockConfig, layout: Layout, rank: int) -> dict[str, int]:
+    """Where this rank's slice of each masked tensor begins in the global tensor,
+    by the fusion's scalar names (fusion.MASK_STARTS): fixed for a rank."""
+    values, where = {}, placements(layout)
     for stream in STREAMS:
-        values[f"key.{stream}"] = stream_key(rng_seed, rng_offset, stream)
-        starts = slice_starts(mask_shape(cfg, stream), placements(layout)[MASKED[stream]], layout, rank)
+        starts = slice_starts(mask_shape(cfg, stream), where[MASKED[stream]], layout, rank)
         for name, start in zip(MASK_STARTS[stream], starts):
             if name and values.setdefault(name, start) != start:
                 raise AssertionError(f"{name}: {stream} starts at {start}, another mask at {values[name]}")
     return values
+
+
+def dropout_scalars(cfg: BlockConfig, layout: Layout, rank: int, rng_seed: int, rng_offset: int,
+                    starts: dict[str, int] | None = None) -> dict[str, int]:
+    """The fusion's dropout inputs for this rank (fusion.rng_input_names): every
+    stream's key, the same on all ranks (dropout.stream_key), and the mask
+    starts (mask_starts, or `starts` as it gave them)."""
+    keys = {f"key.{stream}": stream_key(rng_seed, rng_offset, stream) for stream in STREAMS}
+    return keys | (mask_starts(cfg, layout, rank) if starts is None else starts)
 
 
 @contextmanager
@@ -93,6 +100,10 @@ class ShardedBlock:
         self.keys_on_device = keys_on_device and cfg.dropout > 0
         self._keys = None   # the keys' CUDA tensor (keys_on_device), made at first use
         self._eval_cfg = cfg.replace(dropout=0.0) if cfg.dropout > 0 else cfg   # mode_cfg(False), made once
+        # what the layout fixes, made once, not on every call
+        self._placements = placements(layout)
+        self._mask_starts = mask_starts(cfg, layout, rank)
+        self._saved_names = {True: saved_names(cfg), False: saved_names(self._eval_cfg)}
         self._fusions = {}   # (kind, dropout): built at first use (_fusion)
         self.fusion = self._fusion("forward", True)
         self._params: Optional[list[torch.Tensor]] = None
@@ -132,6 +143,10 @@ class ShardedBlock:
         mode) is the block with dropout 0, whose fusions draw no masks."""
         return self.cfg if dropout else self._eval_cfg
 
+    def saved_names(self, dropout: bool = True) -> list[str]:
+        """What the training forward saves for the backward (fusion.saved_names of mode_cfg(dropout))."""
+        return list(self._saved_names[dropout])
+
     def _fusion(self, kind: str, dropout: bool):
         """The "forward", "train" (forward that saves for backward) or "backward"
         fusion, with or without dropout, built at its first use."""
@@ -151,15 +166,15 @@ class ShardedBlock:
     # -- activations ------------------------------------------------------
     def input_shape(self) -> tuple[int, ...]:
         cfg = self.cfg
-        return local_shape((cfg.batch, cfg.seq, cfg.n_embd), placements(self.layout)["x"], self.layout)
+        return local_shape((cfg.batch, cfg.seq, cfg.n_embd), self._placements["x"], self.layout)
 
     def shard_input(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a global input, on this rank's device."""
-        return local_slice(x, placements(self.layout)["x"], self.layout, self.rank).to(self.device, self.cfg.torch_dtype)
+        return local_slice(x, self._placements["x"], self.layout, self.rank).to(self.device, self.cfg.torch_dtype)
 
     def shard_output(self, t: torch.Tensor, name: str = "out") -> torch.Tensor:
         """This rank's slice of a global output (for checking against a reference)."""
-        return local_slice(t, placements(self.layout)[name], self.layout, self.rank)
+        return local_slice(t, self._placements[name], self.layout, self.rank)
 
     def _validate(self, name: str, t, shape: tuple[int, ...]) -> None:
         if not isinstance(t, torch.Tensor):
@@ -187,7 +202,7 @@ class ShardedBlock:
         if self.mode_cfg(dropout).dropout == 0:
             return []
         names = rng_input_names(self.cfg)
-        values = dropout_scalars(self.cfg, self.layout, self.rank, rng_seed, rng_offset)
+        values = dropout_scalars(self.cfg, self.layout, self.rank, rng_seed, rng_offset, self._mask_starts)
         if not self.keys_on_device:
             return [values[name] for name in names]
         keys = [name for name in names if name.startswith("key.")]
@@ -245,13 +260,13 @@ class ShardedBlock:
     def forward_train(self, x: torch.Tensor, rng_seed: int = 0, rng_offset: int = 0, params=None,
                       dropout: bool = True):
         """The forward that also returns what backward needs: (outputs by name, saved
-        list: saved_names(mode_cfg(dropout)))."""
+        list: self.saved_names(dropout))."""
         params = self._checked_params(params)
         self._validate_input("x", x)
         fusion = self._fusion("train", dropout)
         outs = self._execute_forward(fusion, x, params, rng_seed, rng_offset, dropout)
         named = dict(zip(fusion.outputs, outs))
-        saved = [named.pop(name) for name in saved_names(self.mode_cfg(dropout))]
+        saved = [named.pop(name) for name in self._saved_names[dropout]]
         return named, saved
 
     def backward(self, grad_out: torch.Tensor, x: torch.Tensor, saved: list[torch.Tensor], params=None,
@@ -278,7 +293,7 @@ class ShardedBlock:
         """The backward fusion's inputs, checked, in its order (fusion.define_backward)."""
         params = self._checked_params(params)
         self._validate_input("grad_out", grad_out)
-        names = saved_names(self.mode_cfg(dropout))
+        names = self._saved_names[dropout]
         if len(saved) != len(names):
             raise ValueError(f"saved: expected {len(names)} tensors ({', '.join(names)}), got {len(saved)}")
         return [grad_out.contiguous(), x.contiguous(), *params, *(t.contiguous() for t in saved)]
@@ -291,7 +306,7 @@ class _BlockFunction(torch.autograd.Function):
     def forward(ctx, block: ShardedBlock, rng_seed: int, rng_offset: int, dropout: bool, x, *params):
         named, saved = block.forward_train(x, rng_seed, rng_offset, params, dropout=dropout)
         ctx.block, ctx.dropout = block, dropout
-        ctx.saved_names = saved_names(block.mode_cfg(dropout))
+        ctx.saved_names = block.saved_names(dropout)
         ctx.names = ["x", *PARAM_NAMES, *ctx.saved_names]   # what save_for_backward holds, in order
         ctx.save_for_backward(x, *params, *saved)
         return named["out"]
