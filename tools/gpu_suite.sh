@@ -82,9 +82,13 @@ step_graphs() {
 }
 step_overlap() {
   echo "== overlapped linears (issue 17): chunks on streams against the whole linear, ranks sharing the GPU"
+  # nvFuser 0.2.36's host IR takes the global rank for a CUDA device index: preload the shim that gives
+  # an index past the GPUs the current device (tpfuser/shim/default_stream.c; TPFUSER_SHIM_LOG=1 logs each)
+  local shim; shim=$(python3 -c "from tpfuser.sharegpu import build_default_stream_shim as b; print(b())") || return
   for tp in 2 4; do
-    NVFUSER_MASTER_PORT=$((29800 + tp)) T ${OVERLAP_S:-300} -- torchrun --standalone --nproc-per-node $tp --no-python \
-      .nvf/share_gpu.sh python3 tools/overlap_check.py --json "$OUT/overlap_tp$tp.json" > "$OUT/overlap_tp$tp.txt" 2>&1 &
+    LD_PRELOAD=$shim TPFUSER_SHIM_LOG=1 NVFUSER_MASTER_PORT=$((29800 + tp)) T ${OVERLAP_S:-300} -- torchrun \
+      --standalone --nproc-per-node $tp --no-python .nvf/share_gpu.sh python3 tools/overlap_check.py \
+      --json "$OUT/overlap_tp$tp.json" > "$OUT/overlap_tp$tp.txt" 2>&1 &
   done
   wait
   grep -h "^rank 0" "$OUT"/overlap_tp*.txt | cut -c1-220

@@ -674,11 +674,16 @@ def check_host_ir_device(rank: int, device_count: int) -> None:
     (HostIrEvaluator's constructor, csrc/host_ir/evaluator.cpp at 7e04d26:
     getDefaultCUDAStream(deviceId())). A rank at or beyond this node's GPU
     count then fails with "Device index value 1 is out of index range [0, 1)"
-    (run 15: ranks sharing one GPU). Refuse it up front, saying so."""
-    if rank >= device_count:
+    (run 15: ranks sharing one GPU). Refuse it up front, saying so, unless the
+    process preloads sharegpu's default-stream shim, which gives such an index
+    the current device."""
+    from tpfuser.sharegpu import SHIM_VARIABLE, default_stream_shim_loaded
+    if rank >= device_count and not default_stream_shim_loaded():
         raise ValueError(f"the overlapped fusions need a GPU per rank: nvFuser 0.2.36 runs them on CUDA device "
                          f"<global rank> ({rank}), and this process sees {device_count} GPU(s); ranks sharing a GPU "
-                         f"(share_gpu.sh) can check the non-overlapped block only")
+                         f"need the default-stream shim preloaded (LD_PRELOAD=$(python3 -c 'from tpfuser.sharegpu "
+                         f"import build_default_stream_shim as b; print(b())'), or {SHIM_VARIABLE} under "
+                         f"tpfuser.sharegpu)")
 
 
 def run_allgather_overlapped(of: OverlapFusion, inputs: list):

@@ -12,6 +12,10 @@ then runs `python -m tpfuser.cli ARGS` in its place:
   for it, "127.0.0.1" for the others (each rank is its node's local rank 0, and
   nvFuser's Communicator would otherwise start a server in every one); its port
   next to torchrun's, so that several jobs can run at once.
+- LD_PRELOAD of shim/default_stream.c, built once (build_default_stream_shim),
+  when TPFUSER_DEFAULT_STREAM_SHIM names it: nvFuser 0.2.36's host IR takes a
+  rank's global index for a CUDA device index, which a rank past the GPUs
+  lacks; the shim gives such an index the current device (its comment says how).
 For correctness only: the ranks time-share the GPU and their bytes go through
 host sockets, so their timings say nothing about one GPU per rank.
 """
@@ -22,6 +26,46 @@ import os
 import sys
 
 SHARED_GPU_MARK = "TPFUSER_SHARED_GPUS"   # set by the launcher: how many GPUs the ranks share
+SHIM_VARIABLE = "TPFUSER_DEFAULT_STREAM_SHIM"   # the built shim's path, preloaded in every rank
+SHIM_NAME = "tpfuser_default_stream.so"
+
+
+def build_default_stream_shim(folder: str | None = None) -> str:
+    """Build shim/default_stream.c into `folder` (default ~/.cache/tpfuser) once,
+    with gcc; return the library's path. Rebuilt when the source is newer. One
+    process builds it (the launcher, before its ranks start): the file appears
+    whole (built aside, then renamed)."""
+    import shutil
+    import subprocess
+    import tempfile
+    source = os.path.join(os.path.dirname(__file__), "shim", "default_stream.c")
+    folder = folder or os.path.join(os.path.expanduser("~"), ".cache", "tpfuser")
+    target = os.path.join(folder, SHIM_NAME)
+    if os.path.exists(target) and os.path.getmtime(target) >= os.path.getmtime(source):
+        return target
+    compiler = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+    if compiler is None:
+        raise RuntimeError("building the default-stream shim needs a C compiler (gcc or cc on PATH, or CC); "
+                           "without it the overlapped fusions need a GPU per rank")
+    os.makedirs(folder, exist_ok=True)
+    fd, aside = tempfile.mkstemp(suffix=".so", dir=folder)
+    os.close(fd)
+    run = subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", aside, source, "-ldl"],
+                         capture_output=True, text=True)
+    if run.returncode:
+        os.unlink(aside)
+        raise RuntimeError(f"building the default-stream shim failed ({compiler}): {run.stderr.strip()[:400]}")
+    os.replace(aside, target)
+    return target
+
+
+def default_stream_shim_loaded() -> bool:
+    """Whether this process has the shim mapped (preloaded): read from /proc/self/maps."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return any(line.rstrip().endswith(SHIM_NAME) for line in maps)
+    except OSError:
+        return False
 
 
 def rank_environment(environ: dict[str, str]) -> dict[str, str]:
@@ -34,6 +78,8 @@ def rank_environment(environ: dict[str, str]) -> dict[str, str]:
                NVFUSER_MASTER_ADDR="localhost" if rank == "0" else "127.0.0.1")
     env.setdefault("NCCL_SOCKET_IFNAME", "lo")
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if env.get(SHIM_VARIABLE):
+        env["LD_PRELOAD"] = " ".join(filter(None, (env[SHIM_VARIABLE], env.get("LD_PRELOAD"))))
     if "NVFUSER_MASTER_PORT" not in env and "MASTER_PORT" in env:
         env["NVFUSER_MASTER_PORT"] = str(int(env["MASTER_PORT"]) + 1)
     return env
