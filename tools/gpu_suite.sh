@@ -84,7 +84,9 @@ step_overlap() {
   echo "== overlapped linears (issue 17): chunks on streams against the whole linear, ranks sharing the GPU"
   # nvFuser 0.2.36's host IR takes the global rank for a CUDA device index: preload the shim that gives
   # an index past the GPUs the current device (tpfuser/shim/default_stream.c; TPFUSER_SHIM_LOG=1 logs each)
-  local shim; shim=$(python3 -c "from tpfuser.sharegpu import build_default_stream_shim as b; print(b())") || return
+  # (SHIM_SO: one built elsewhere and carried, where this machine has no C compiler)
+  local shim=${SHIM_SO:-}
+  [[ -n $shim ]] || shim=$(python3 -c "from tpfuser.sharegpu import build_default_stream_shim as b; print(b())") || return
   for tp in 2 4; do
     LD_PRELOAD=$shim TPFUSER_SHIM_LOG=1 NVFUSER_MASTER_PORT=$((29800 + tp)) T ${OVERLAP_S:-300} -- torchrun \
       --standalone --nproc-per-node $tp --no-python .nvf/share_gpu.sh python3 tools/overlap_check.py \
