@@ -124,10 +124,17 @@ def test_the_hosts_int_hash_is_the_fusions_hash():
     assert all(type(mix32(int(v))) is int and 0 <= mix32(int(v)) < 2**32 for v in values[-7:])
 
 
-def test_a_blocks_cached_starts_are_dropout_scalars_own():
-    from tpfuser.runtime import ShardedBlock, mask_starts
+def test_a_block_hands_its_fusion_the_ranks_own_starts_and_this_calls_keys():
+    """What a block made once at construction (the mask starts) and per call
+    (the keys) reaches the fusion as the fusion names them: dp rank 1, tp rank 2
+    of 2x4 starts at batch 2, head 4 (and sequence 8 under SP), by hand."""
+    from tpfuser.fusion import rng_input_names
+    from tpfuser.runtime import ShardedBlock
     cfg = preset("tiny", dtype="fp32")
-    for layout, rank in ((Layout(2, 4), 6), (Layout(2, 4, sp=True), 5), (Layout(1, 8, sp=True), 7)):
-        block = ShardedBlock(cfg, layout, rank, device=torch.device("cpu"))
-        assert block._mask_starts == mask_starts(cfg, layout, rank)
-        assert dropout_scalars(cfg, layout, rank, 3, 9, block._mask_starts) == dropout_scalars(cfg, layout, rank, 3, 9)
+    for layout, seq in ((Layout(2, 4), 0), (Layout(2, 4, sp=True), 8)):
+        block = ShardedBlock(cfg, layout, 6, device=torch.device("cpu"))
+        inputs = dict(zip(rng_input_names(cfg), block._rng_inputs(3, 9)))
+        assert (inputs["start.batch"], inputs["start.seq"], inputs["start.head"]) == (2, seq, 4)
+        later = dict(zip(rng_input_names(cfg), block._rng_inputs(3, 10)))
+        assert inputs["key.resid_mlp"] == stream_key(3, 9, "resid_mlp") != later["key.resid_mlp"]
+        assert later["start.head"] == 4                          # the starts do not move from call to call

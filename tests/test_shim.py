@@ -28,32 +28,53 @@ CALL = textwrap.dedent("""
     import ctypes, sys
     class Stream(ctypes.Structure):
         _fields_ = [("device", ctypes.c_uint64), ("id", ctypes.c_int64)]
-    ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)         # the stand-in c10, loaded after the shim
+    ctypes.CDLL(sys.argv[1])     # the stand-in c10, loaded after the shim and privately, as torch loads c10
     f = ctypes.CDLL(None)._ZN3c104cuda20getDefaultCUDAStreamEa  # what the process resolves: the shim's
     f.restype, f.argtypes = Stream, [ctypes.c_int8]
     print(" ".join(str(f(i).id - 1000) for i in (0, 1, 5, -1)))
 """)
 
 
+def _compiler():
+    return shutil.which("gcc") or shutil.which("cc")
+
+
 def test_an_index_past_the_devices_becomes_the_current_device(tmp_path):
     shim = build_default_stream_shim(str(tmp_path))
     assert os.path.basename(shim) == SHIM_NAME
     (tmp_path / "fake.c").write_text(FAKE_C10)
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(tmp_path / "fake.so"), str(tmp_path / "fake.c")], check=True)
-    run = subprocess.run([sys.executable, "-c", CALL, str(tmp_path / "fake.so")], capture_output=True, text=True,
+    (tmp_path / "c10").mkdir()
+    fake = str(tmp_path / "c10" / "libc10_cuda.so")   # c10's soname: the shim finds it by that name
+    subprocess.run([_compiler(), "-shared", "-fPIC", "-Wl,-soname,libc10_cuda.so", "-o", fake,
+                    str(tmp_path / "fake.c")], check=True)
+    run = subprocess.run([sys.executable, "-c", CALL, fake], capture_output=True, text=True,
                          env={**os.environ, "LD_PRELOAD": shim, "TPFUSER_SHIM_LOG": "1"})
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["0", "-1", "-1", "-1"]      # 0 passes, 1 and 5 (of 1 device) become -1
     assert run.stderr.count("-> the current device") == 2
 
 
+def test_in_a_torch_process_the_shim_finds_c10s_own_function(tmp_path):
+    """torch loads libc10_cuda privately: the shim must look it up by name
+    (before, it found nothing and aborted on its first call)."""
+    shim = build_default_stream_shim(str(tmp_path))
+    probe = ("import ctypes, torch, nvfuser_direct; "
+             "print(ctypes.CDLL(None).tpfuser_shim_resolved())")
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env={**os.environ, "LD_PRELOAD": shim})
+    assert run.returncode == 0 and run.stdout.split()[-1] == "1", run.stderr[-400:]
+
+
 def test_built_once_and_again_when_the_source_changes(tmp_path):
+    from tpfuser import sharegpu
+    source = os.path.join(os.path.dirname(sharegpu.__file__), "shim", "default_stream.c")
     first = build_default_stream_shim(str(tmp_path))
     made = os.path.getmtime(first)
     assert build_default_stream_shim(str(tmp_path)) == first and os.path.getmtime(first) == made
-    os.utime(first, (made - 3600, made - 3600))                 # older than the source: rebuilt
+    older = os.path.getmtime(source) - 1
+    os.utime(first, (older, older))                             # older than the source: rebuilt
     build_default_stream_shim(str(tmp_path))
-    assert os.path.getmtime(first) > made - 3600
+    assert os.path.getmtime(first) > older
 
 
 def test_a_rank_preloads_the_shim_it_is_given_and_knows_it(tmp_path):

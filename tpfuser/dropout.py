@@ -48,7 +48,7 @@ def _mul32(x, c: int, ops):
 
 def mix32(x, ops=PLAIN_OPS):
     """lowbias32 of 0 <= x < 2**32: a bijection of 32-bit values with good avalanche."""
-    if type(x) is int:   # the host's keys: Python ints multiply exactly, no 16-bit halves needed
+    if type(x) is int and ops is PLAIN_OPS:   # the host's keys: Python ints multiply exactly, no halves needed
         return _mix32_int(x)
     x = ops.xor(x, ops.shr(x, 16))
     x = _mul32(x, MUL1, ops)

@@ -50,7 +50,7 @@ def build_default_stream_shim(folder: str | None = None) -> str:
     os.makedirs(folder, exist_ok=True)
     fd, aside = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
-    run = subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", aside, source, "-ldl"],
+    run = subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-fexceptions", "-o", aside, source, "-ldl", "-lpthread"],
                          capture_output=True, text=True)
     if run.returncode:
         os.unlink(aside)

@@ -10,11 +10,13 @@
  * becomes -1, the current device (the one share_gpu.sh gives every rank), and
  * every call is then passed to c10's own function. Nothing else changes.
  *
- * Built by tpfuser.sharegpu.build_default_stream_shim (gcc -shared -fPIC -O2 ... -ldl).
+ * Built by tpfuser.sharegpu.build_default_stream_shim (gcc -shared -fPIC -O2 -fexceptions ...:
+ * c10 may throw through this frame).
  * TPFUSER_SHIM_LOG=1 prints each index it changes to stderr.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,20 +27,38 @@ typedef struct { uint64_t device; int64_t id; } cuda_stream;
 typedef cuda_stream (*default_stream_fn)(signed char);
 typedef signed char (*device_count_fn)(void);
 
+#define C10_CUDA "libc10_cuda.so"
 #define DEFAULT_STREAM "_ZN3c104cuda20getDefaultCUDAStreamEa" /* c10::cuda::getDefaultCUDAStream(DeviceIndex) */
 #define DEVICE_COUNT "_ZN3c104cuda12device_countEv"           /* c10::cuda::device_count() */
 
+static default_stream_fn real;
+static device_count_fn count;
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+
+/* torch loads libc10_cuda privately (RTLD_LOCAL): its symbols are not in the
+ * global scope that RTLD_NEXT and RTLD_DEFAULT search, so look in it by name
+ * (already loaded: RTLD_NOLOAD), then in the global scope. */
+static void resolve(void) {
+  void *c10 = dlopen(C10_CUDA, RTLD_LAZY | RTLD_NOLOAD);
+  if (c10 != NULL) {
+    real = (default_stream_fn)dlsym(c10, DEFAULT_STREAM);
+    count = (device_count_fn)dlsym(c10, DEVICE_COUNT);
+  }
+  if (real == NULL) real = (default_stream_fn)dlsym(RTLD_NEXT, DEFAULT_STREAM);
+  if (count == NULL) count = (device_count_fn)dlsym(RTLD_NEXT, DEVICE_COUNT);
+}
+
+/* 1 when c10's two functions are found (for the tests and the curious). */
+int tpfuser_shim_resolved(void) {
+  pthread_once(&once, resolve);
+  return real != NULL && count != NULL;
+}
+
 cuda_stream _ZN3c104cuda20getDefaultCUDAStreamEa(signed char index) {
-  static default_stream_fn real;
-  static device_count_fn count;
+  pthread_once(&once, resolve);
   if (real == NULL) {
-    real = (default_stream_fn)dlsym(RTLD_NEXT, DEFAULT_STREAM);
-    count = (device_count_fn)dlsym(RTLD_DEFAULT, DEVICE_COUNT);
-    if (real == NULL) {
-      fprintf(stderr, "default_stream shim: %s not found after this library (is libc10_cuda loaded?)\n",
-              DEFAULT_STREAM);
-      abort();
-    }
+    fprintf(stderr, "default_stream shim: %s not found in %s or after this library\n", DEFAULT_STREAM, C10_CUDA);
+    abort();
   }
   if (index >= 0 && count != NULL) {
     signed char visible = count();
