@@ -425,7 +425,7 @@ def _sum_rows(fd, t):
     """Sum over batch and sequence: [b, s, n] -> [n], one dimension at a time.
     Over dp (b) and under sequence parallelism (s) these are cross-rank sums, and
     nvFuser 0.2.36 lowers a sum over a device-split axis and another axis at once
-    to a wrong-sized local copy (post_communication.cpp:74, NOTES.md)."""
+    to a wrong-sized local copy (post_communication.cpp:74, NOTES-history.md)."""
     return fd.ops.sum(fd.ops.sum(t, dims=[0], keepdim=False, dtype=DataType.Null), dims=[0], keepdim=False,
                       dtype=DataType.Null)
 
@@ -583,7 +583,7 @@ def build_backward(cfg: BlockConfig, layout: Layout | None = None, outputs=None,
     DDP does). Inside the fusion, nvFuser 0.2.36 would all-reduce a sum over the
     mesh's dp axis within the tp team instead: its lowering of an all-reduce
     takes the team along mesh_x whatever the axis reduced (read in its source,
-    not seen run; NOTES.md)."""
+    not seen run; NOTES-history.md)."""
     if layout is not None:
         layout.check(cfg)
         cfg = cfg.replace(batch=cfg.batch // layout.dp)

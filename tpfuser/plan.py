@@ -61,7 +61,7 @@ def saved_specs(cfg: BlockConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     order the backward takes them (tensors.saved). The fusion's dropout masks
     are saved (one byte an element, as eager PyTorch saves them), not drawn
     again: nvFuser 0.2.36 fails to compile the hash in the meshed backward
-    (NOTES.md). Flash attention's (bf16) is replayed from its philox state."""
+    (NOTES-history.md). Flash attention's (bf16) is replayed from its philox state."""
     return {t.name: (t.shape(cfg), t.dtype) for t in saved(cfg)}
 
 
