@@ -324,12 +324,13 @@ class graphed_callable:
 
     def __call__(self):
         if self.graph is None:
-            from tpfuser.graphs import warm_up
+            from tpfuser.graphs import clear_cublas_workspaces, warm_up
             warm_up(self.fn, times=3)
             before = torch.cuda.memory_reserved()
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
                 self.fn()
+            clear_cublas_workspaces()
             self.pool_bytes = torch.cuda.memory_reserved() - before
         self.graph.replay()
 

@@ -55,11 +55,23 @@ def _dp_backend(block: ShardedBlock) -> str | None:
     return dist.get_backend(block.dp_group)
 
 
+def clear_cublas_workspaces() -> None:
+    """Drop cuBLAS's workspaces, which it keeps per stream (32 MiB each on
+    Hopper by default) for as long as the process lives: the side stream's of
+    a warm-up would otherwise stay reserved beside the graph's own, made in
+    its pool at capture; and the graph's, once captured, must not serve later
+    calls outside the graph. torch.compile's CUDA-graph trees clear them around
+    each capture for the same reasons (clear_cublas_manager)."""
+    if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+        torch._C._cuda_clearCublasWorkspaces()
+
+
 def warm_up(body, times: int = 2) -> None:
     """Run body on a side stream (as before a capture: nvFuser compiles, NCCL
-    connects); then release the cached memory, so that what a capture reserves
-    next can be read off memory_reserved (torch.cuda.graph empties the cache
-    on entry too, which would otherwise hide it)."""
+    connects); then release the cached memory, cuBLAS's side-stream workspace
+    included, so that what a capture reserves next can be read off
+    memory_reserved (torch.cuda.graph empties the cache on entry too, which
+    would otherwise hide it)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -67,6 +79,7 @@ def warm_up(body, times: int = 2) -> None:
             body()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
+    clear_cublas_workspaces()
     torch.cuda.empty_cache()
 
 
@@ -102,6 +115,7 @@ class _Graphed:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             held = body()
+        clear_cublas_workspaces()
         self.pool_bytes = torch.cuda.memory_reserved(self.block.device) - before
         return held
 
@@ -216,9 +230,11 @@ class GraphedTraining(_Graphed):
         before = self._prepare_capture(rng_seed, rng_offset, lambda: (forward(), backward()))
         with torch.cuda.graph(self.graph):
             self.out = forward()
+        clear_cublas_workspaces()   # the forward's, into the shared pool: the graphs replay in capture order
         self.saved = held["saved"]   # the backward graph reads them where the forward graph writes them
         with torch.cuda.graph(self.backward_graph, pool=self.graph.pool()):
             self.grad_x, self.grads = backward()
+        clear_cublas_workspaces()
         self.pool_bytes = torch.cuda.memory_reserved(block.device) - before
 
 
