@@ -104,7 +104,7 @@ def test_module_modes_route_to_their_fusions(monkeypatch):
     calls, runner, n = [], model.runner, len(PARAM_NAMES)
 
     def fake(fusion, key):
-        def execute(inputs):
+        def execute(inputs, *options, **more):
             calls.append((*key, len(inputs)))
             if key[0] == "backward":   # grad_x, then the parameters' (inputs: grad_out, x, params, saved)
                 return [torch.zeros_like(inputs[1]), *(torch.zeros_like(p) for p in inputs[2:2 + n])]
@@ -264,3 +264,28 @@ def test_readme_transcript_is_what_main_prints(capsys):
     assert main(["main"]) == 0
     printed = capsys.readouterr().out.rstrip().splitlines()
     assert shown == printed
+
+
+def test_enable_reaches_every_fusion_call_and_nothing_is_passed_by_default():
+    """ShardedBlock(enable=...) (bench's nvfuser-graph-fm: fuse_matmul) turns the
+    options on for the forward, the training forward and the backward alike."""
+    cfg = preset("tiny", dtype="fp32")
+    for enable, want in (((), {}), (("fuse_matmul",), {"_enable_options": ["fuse_matmul"]})):
+        block = ShardedBlock(cfg, device=torch.device("cpu"), enable=enable)
+        block._validate = lambda *args: None
+        block.load(make_block(cfg).state_dict())
+        seen = []
+        for kind in ("forward", "train", "backward"):
+            fusion = block._fusion(kind, True)
+            n = len(PARAM_NAMES) + 1 if kind == "backward" else len(fusion.outputs)
+            outs = [torch.zeros(1)] * n
+
+            def execute(inputs, _disable_options=None, outs=outs, **options):
+                seen.append(options)
+                return outs
+            setattr(fusion.fd, "execute", execute)
+        x = torch.zeros(cfg.batch, cfg.seq, cfg.n_embd)
+        block(x)
+        _, saved = block.forward_train(x)
+        block.backward(x, x, saved)
+        assert seen == [want] * 3

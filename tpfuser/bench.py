@@ -41,11 +41,14 @@ from tpfuser.plan import backward_collectives, collectives, forward_flops, place
 from tpfuser.reference import make_block, make_input, sdpa_forward
 from tpfuser.shard import local_slice
 
-IMPLS = ("nvfuser", "nvfuser-graph", "nvfuser-nomesh", "eager", "eager-graph", "compile",
+IMPLS = ("nvfuser", "nvfuser-graph", "nvfuser-graph-fm", "nvfuser-nomesh", "eager", "eager-graph", "compile",
          "compile-reduce-overhead", "dtensor")
 # Each replayed from a CUDA graph: tpfuser.graphs, eager captured by hand, and
-# torch.compile's own CUDA-graph mode.
-GRAPHED = ("nvfuser-graph", "eager-graph", "compile-reduce-overhead")
+# torch.compile's own CUDA-graph mode. nvfuser-graph-fm (asked for by --impl
+# only) is nvfuser-graph with nvFuser's own matmul kernels (fuse_matmul), their
+# neighbours' pointwise work fused in, where ATen's run otherwise.
+GRAPHED = ("nvfuser-graph", "nvfuser-graph-fm", "eager-graph", "compile-reduce-overhead")
+NVFUSER_GRAPHED = {"nvfuser-graph": (), "nvfuser-graph-fm": ("fuse_matmul",)}   # impl: the nvFuser options it enables
 
 
 def default_impls(layout: Layout) -> tuple[str, ...]:
@@ -292,11 +295,13 @@ def _forward_fns(cfg, ref, x, impls, layout, rank, groups):
             from tpfuser.runtime import ShardedBlock
             nv = ShardedBlock(cfg, layout, rank, mesh=mesh).load(ref.state_dict())
             fns[impl] = lambda nv=nv, steps=_step_offsets(): nv(x, 1234, next(steps))["out"]
-    if "nvfuser-graph" in impls:
-        from tpfuser.graphs import GraphedForward
-        from tpfuser.runtime import ShardedBlock
-        graphed = GraphedForward(ShardedBlock(cfg, layout, rank, keys_on_device=True).load(ref.state_dict()))
-        fns["nvfuser-graph"] = lambda steps=_step_offsets(): graphed(x, 1234, next(steps))["out"]
+    for impl, enable in NVFUSER_GRAPHED.items():
+        if impl in impls:
+            from tpfuser.graphs import GraphedForward
+            from tpfuser.runtime import ShardedBlock
+            block = ShardedBlock(cfg, layout, rank, keys_on_device=True, enable=enable).load(ref.state_dict())
+            fns[impl] = lambda graphed=GraphedForward(block), steps=_step_offsets(): \
+                graphed(x, 1234, next(steps))["out"]
     if "eager" in impls:
         fns["eager"] = lambda: sdpa_forward(ref, x, cfg.dropout)
     if "eager-graph" in impls:
@@ -419,13 +424,15 @@ def _graphed_train_fns(cfg, ref, x, grad, impls, layout, rank, groups):
     Gradients summed over dp after the replay where dp > 1 (a gloo group)."""
     from tpfuser.world import sum_over_group
     out = {}
-    if "nvfuser-graph" in impls:
-        from tpfuser.graphs import GraphedTrainStep
-        from tpfuser.runtime import ShardedBlock
-        block = ShardedBlock(cfg, layout, rank, keys_on_device=True, dp_group=groups.dp if groups else None)
-        graphed = GraphedTrainStep(block.load(ref.state_dict()))
-        out["nvfuser-graph"] = (lambda steps=_step_offsets(): graphed(x.detach(), grad, 1234, next(steps)),
-                                lambda: graphed.pool_bytes)
+    for impl, enable in NVFUSER_GRAPHED.items():
+        if impl in impls:
+            from tpfuser.graphs import GraphedTrainStep
+            from tpfuser.runtime import ShardedBlock
+            block = ShardedBlock(cfg, layout, rank, keys_on_device=True, dp_group=groups.dp if groups else None,
+                                 enable=enable)
+            graphed = GraphedTrainStep(block.load(ref.state_dict()))
+            out[impl] = (lambda graphed=graphed, steps=_step_offsets(): graphed(x.detach(), grad, 1234, next(steps)),
+                         lambda graphed=graphed: graphed.pool_bytes)
     if "eager-graph" in impls:
         import copy
         own = copy.deepcopy(ref)   # its gradients stay the graph's: the other steps set theirs to None

@@ -405,10 +405,11 @@ class BackwardFusion:
     intermediates: dict = field(default_factory=dict)   # plan.BACKWARD_INTERMEDIATES present in this fusion
     meshed: bool = False
 
-    def execute(self, inputs: list) -> list[torch.Tensor]:
+    def execute(self, inputs: list, enable: tuple[str, ...] = ()) -> list[torch.Tensor]:
         # nvFuser's resize scheduler fails on the q, k, v concatenation of a
         # sharded backward (upstream issue 4890); its own test turns it off too.
-        return self.fd.execute(inputs, _disable_options=["resize_scheduler"] if self.meshed else [])
+        return self.fd.execute(inputs, _disable_options=["resize_scheduler"] if self.meshed else [],
+                               **({"_enable_options": list(enable)} if enable else {}))
 
 
 def _gelu_tanh_grad(fd, x):

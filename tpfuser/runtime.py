@@ -77,7 +77,8 @@ class ShardedBlock:
 
     def __init__(self, cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, check: bool = False,
                  device: Optional[torch.device] = None, mesh: bool = True,
-                 dp_group=None, check_finite: bool = False, keys_on_device: bool = False):
+                 dp_group=None, check_finite: bool = False, keys_on_device: bool = False,
+                 enable: tuple[str, ...] = ()):
         """mesh=False (1x1 only) builds the fusion without a device mesh: the
         same math, run by nvFuser's single-device executor (see NOTES.md, runs 15-18).
         dp_group: the torch.distributed group of this rank's dp replicas (world.dp_group),
@@ -87,6 +88,9 @@ class ShardedBlock:
         keys_on_device: the fusions read the dropout keys from a small CUDA
         tensor this block writes before each call, not from host scalars, so
         that a captured CUDA graph draws new masks on each replay (graphs.py).
+        enable: nvFuser options turned on for every call of this block's fusions
+        (`_enable_options`), e.g. ("fuse_matmul",): nvFuser's own matmul kernels,
+        with the pointwise work around them fused in, instead of ATen's.
         On its own (no launcher) the process describes a world of one to nvFuser
         first (world.describe_single_process): before its first fusion runs."""
         describe_single_process()
@@ -98,6 +102,8 @@ class ShardedBlock:
         self.device = device or torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
         self._mesh_layout = layout if mesh else None
         self.keys_on_device = keys_on_device and cfg.dropout > 0
+        self.enable = tuple(enable)
+        self._options = {"_enable_options": list(self.enable)} if self.enable else {}
         self._keys = None   # the keys' CUDA tensor (keys_on_device), made at first use
         self._eval_cfg = cfg.replace(dropout=0.0) if cfg.dropout > 0 else cfg   # mode_cfg(False), made once
         # what the layout fixes, made once, not on every call
@@ -254,7 +260,7 @@ class ShardedBlock:
                              "host-scalar keys would freeze the masks at capture (use tpfuser.graphs)")
         rng = self._rng_inputs(rng_seed, rng_offset, write_keys=not in_graph, dropout=dropout)
         with nullcontext() if in_graph else self._attention_stream(rng_seed, rng_offset, dropout):
-            return fusion.fd.execute([x.contiguous(), *params, *rng])
+            return fusion.fd.execute([x.contiguous(), *params, *rng], **self._options)
 
     # -- training ---------------------------------------------------------
     def forward_train(self, x: torch.Tensor, rng_seed: int = 0, rng_offset: int = 0, params=None,
@@ -281,7 +287,7 @@ class ShardedBlock:
                              f"fusion; pass ShardedBlock(dp_group=world.dp_group(layout, rank))")
         inputs = self.backward_inputs(grad_out, x, saved, params, dropout)
         fusion = self._fusion("backward", dropout)
-        named = dict(zip(fusion.outputs, fusion.execute(inputs)))
+        named = dict(zip(fusion.outputs, fusion.execute(inputs, self.enable)))
         grads = [named[f"grad.{name}"] for name in PARAM_NAMES]
         return named["grad_x"], self._sum_over_dp(grads) if sum_over_dp else grads
 
