@@ -127,6 +127,9 @@ def test_cublas_workspaces_are_dropped_after_the_warm_up_and_after_each_capture(
         def pool(self):
             return None
 
+        def replay(self):
+            calls.append("replay")
+
     @contextlib.contextmanager
     def capture(graph, pool=None):
         calls.append("capture")
@@ -147,3 +150,21 @@ def test_cublas_workspaces_are_dropped_after_the_warm_up_and_after_each_capture(
     fake.block = type("B", (), {"device": None})()
     assert fake._capture(0, 0, lambda: calls.append("body") or "held") == "held"
     assert calls == ["body", "capture", "body", "captured", "clear"]
+
+    # the training's two graphs share a pool: a clear after each capture
+    calls.clear()
+    training = graphs.GraphedTraining.__new__(graphs.GraphedTraining)
+    training.x = training.grad_out = None
+    training._prepare_capture = lambda seed, offset, body: (body(), 0)[1]
+    training.block = type("B", (), {"device": None,
+                                    "forward_train": lambda *a: calls.append("fwd") or ({"out": 1}, "saved"),
+                                    "backward": lambda *a, **k: calls.append("bwd") or (2, [3])})()
+    training._capture_both(0, 0)
+    assert calls == ["fwd", "bwd", "capture", "fwd", "captured", "clear", "capture", "bwd", "captured", "clear"]
+    assert (training.out, training.saved, training.grad_x, training.grads) == (1, "saved", 2, [3])
+
+    # eager captured by hand (bench's eager-graph): warmed up, captured, cleared
+    from tpfuser.bench import graphed_callable
+    calls.clear()
+    graphed_callable(lambda: calls.append("body"))()
+    assert calls == ["body"] * 3 + ["clear", "empty_cache", "capture", "body", "captured", "clear", "replay"]

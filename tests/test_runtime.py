@@ -289,3 +289,8 @@ def test_enable_reaches_every_fusion_call_and_nothing_is_passed_by_default():
         _, saved = block.forward_train(x)
         block.backward(x, x, saved)
         assert seen == [want] * 3
+
+
+def test_enable_as_a_bare_string_is_refused():
+    with pytest.raises(ValueError, match=r"enable='fuse_matmul': a tuple of nvFuser option names, e.g. \('fuse_matmul',\)"):
+        ShardedBlock(preset("tiny"), device=torch.device("cpu"), enable="fuse_matmul")

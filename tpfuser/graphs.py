@@ -230,7 +230,10 @@ class GraphedTraining(_Graphed):
         before = self._prepare_capture(rng_seed, rng_offset, lambda: (forward(), backward()))
         with torch.cuda.graph(self.graph):
             self.out = forward()
-        clear_cublas_workspaces()   # the forward's, into the shared pool: the graphs replay in capture order
+        # The forward's workspace goes back to the shared pool, where the backward's capture may place
+        # tensors: the forward's scratch writes at its next replay may then overwrite them. Only the
+        # backward's outputs can be there (the forward's are held), and backward() clones them at once.
+        clear_cublas_workspaces()
         self.saved = held["saved"]   # the backward graph reads them where the forward graph writes them
         with torch.cuda.graph(self.backward_graph, pool=self.graph.pool()):
             self.grad_x, self.grads = backward()

@@ -102,6 +102,8 @@ class ShardedBlock:
         self.device = device or torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
         self._mesh_layout = layout if mesh else None
         self.keys_on_device = keys_on_device and cfg.dropout > 0
+        if isinstance(enable, str):
+            raise ValueError(f"enable={enable!r}: a tuple of nvFuser option names, e.g. ({enable!r},)")
         self.enable = tuple(enable)
         self._options = {"_enable_options": list(self.enable)} if self.enable else {}
         self._keys = None   # the keys' CUDA tensor (keys_on_device), made at first use
