@@ -35,3 +35,19 @@ def test_a_cut_mesh_job_says_which_dtype_never_ran(tmp_path):
     text, _ = _summarize(tmp_path)
     assert "mesh tiny_2x4_sp bf16  NOT RUN: the job ended first" in text
     assert "mesh tiny_2x4_sp fp32  8/8 ranks ok" in text
+
+
+def test_overlap_rows_and_the_one_head_probe_are_in_the_table(tmp_path):
+    shutil.copy(f"{RUNS}/run18/overlap_tp1.json", tmp_path)
+    (tmp_path / "onehead_tp2_h2.txt").write_text(
+        "noise from torchrun\n"
+        "rank 0: select    heads 2 tp 2: ran, max error 0.0e+00\n"
+        "rank 1: select    heads 2 tp 2: ran, max error 0.0e+00\n"
+        "rank 0: slice     heads 2 tp 2: FAILED: INTERNAL ASSERT | Expected (stride)==(expected) . Found 24 vs 8.\n")
+    text, summary = _summarize(tmp_path)
+    assert "overlap tp 1 row-parallel all-reduce x4" in text and "4 posted, ok" in text
+    assert len(summary["overlap"]) == 6
+    assert summary["onehead"] == [
+        {"case": "select heads 2 tp 2", "result": "ran, max error 0.0e+00"},
+        {"case": "slice heads 2 tp 2", "result": "FAILED: INTERNAL ASSERT | Expected (stride)==(expected) . Found 24 vs 8."}]
+    assert "one head: slice heads 2 tp 2" in text and "Found 24 vs 8" in text

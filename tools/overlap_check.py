@@ -25,7 +25,7 @@ os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
 import torch  # noqa: E402
 
 from tpfuser.check import rel_l2  # noqa: E402
-from tpfuser.commlog import captured_communications, error_line  # noqa: E402
+from tpfuser.commlog import captured_communications, error_line, error_message  # noqa: E402
 from tpfuser.fusion import (OVERLAP_OPTIONS, allgather_column_parallel_overlapped,  # noqa: E402
                             check_host_ir_device, row_parallel_overlapped, run_allgather_overlapped)
 
@@ -89,7 +89,7 @@ def main() -> int:
                 row |= fn(rank, tp, chunks, args.tokens, args.n_embd, torch.float32)
                 row["ok"] = row["rel_err"] < 1e-5 and row["vs_one_chunk"] < 1e-6
             except Exception as e:  # noqa: BLE001 - reported, the other cases run
-                row |= {"ok": False, "error": f"{type(e).__name__}: {error_line(e)}"}
+                row |= {"ok": False, "error": f"{type(e).__name__}: {error_line(e)}", "error_message": error_message(e)}
             rows.append(row)
             print(f"rank {rank} tp {tp} {kind:<28} chunks {chunks}: " +
                   (f"error {row['error'][:300]}" if "error" in row else

@@ -72,6 +72,20 @@ for which in ("nanogpt", "gpt3", "nanogpt_train"):
                          f"{p['kernel_ms_per_call']:.3f} ms, idle {p['idle_ms_per_call']:.3f} ms"))
     for name, why in b.get("failed", {}).items():
         rows.append((f"bench {which} {name}", f"FAILED: {why[:150]}"))
+for path in sorted(glob.glob(os.path.join(out, "overlap_tp*.json"))):   # tools/overlap_check.py, rank 0's rows
+    overlap = json.load(open(path))["rows"]
+    summary.setdefault("overlap", []).extend(overlap)
+    for r in overlap:
+        rows.append((f"overlap tp {r['tp']} {r['kind']} x{r['chunks']}",
+                     f"FAILED: {r['error'][:150]}" if "error" in r else
+                     f"rel err {r['rel_err']:.1e}, vs 1 chunk {r['vs_one_chunk']:.1e}, {r['posted']} posted, "
+                     f"{'ok' if r['ok'] else 'FAIL'}"))
+for path in sorted(glob.glob(os.path.join(out, "onehead_tp*_h*.txt"))):   # tools/repro_one_head.py, rank 0's lines
+    for line in open(path):
+        if line.startswith("rank 0: "):
+            head, _, verdict = line[len("rank 0: "):].partition(": ")
+            summary.setdefault("onehead", []).append({"case": " ".join(head.split()), "result": verdict.strip()})
+            rows.append((f"one head: {' '.join(head.split())}", verdict.strip()[:160]))
 cases = [r for path in sorted(glob.glob(os.path.join(out, "bisect_*.json"))) for r in json.load(open(path))]
 if cases:
     summary["backward_bisect"] = cases
