@@ -144,6 +144,10 @@ def summarize(report: dict) -> dict:
     for case in report["cases"]:
         ranks = case["ranks"]
         fine = [r for r in ranks if "error" not in r]
+        seconds = {}   # the slowest rank's seconds per phase (first calls: compile included)
+        for r in fine:
+            for phase, t in r.get("seconds", {}).items():
+                seconds[phase] = max(seconds.get(phase, t), t)
         out["cases"][case["dtype"]] = {
             "ranks_ok": sum(passed(r) for r in ranks), "ranks": len(ranks),
             "worst_out": max((r["forward"]["rel_err"] for r in fine), default=None),
@@ -157,9 +161,7 @@ def summarize(report: dict) -> dict:
             "collectives_match": all(all(p["matches"] for p in (recompared(r) or {}).values()) for r in fine)
                                  if fine else None,
             "errors": sorted({r["error"][:200] for r in ranks if "error" in r}),
-            # the slowest rank's seconds per phase (first calls: compile included)
-            "seconds": {phase: max(r["seconds"][phase] for r in fine if phase in r.get("seconds", {}))
-                        for phase in dict.fromkeys(p for r in fine for p in r.get("seconds", {}))},
+            "seconds": seconds,
         }
     return out
 

@@ -43,11 +43,11 @@ from tpfuser.shard import local_slice
 
 IMPLS = ("nvfuser", "nvfuser-graph", "nvfuser-graph-fm", "nvfuser-nomesh", "eager", "eager-graph", "compile",
          "compile-reduce-overhead", "dtensor")
-# Each replayed from a CUDA graph: tpfuser.graphs, eager captured by hand, and
-# torch.compile's own CUDA-graph mode. nvfuser-graph-fm (asked for by --impl
-# only) is nvfuser-graph with nvFuser's own matmul kernels (fuse_matmul), their
-# neighbours' pointwise work fused in, where ATen's run otherwise.
-GRAPHED = ("nvfuser-graph", "nvfuser-graph-fm", "eager-graph", "compile-reduce-overhead")
+# Replayed from a CUDA graph: nvfuser-graph* (tpfuser.graphs), eager-graph (eager
+# captured by hand) and compile-reduce-overhead (torch.compile's own CUDA-graph
+# mode). nvfuser-graph-fm (asked for by --impl only) is nvfuser-graph with
+# nvFuser's own matmul kernels (fuse_matmul), their neighbours' pointwise work
+# fused in, where ATen's run otherwise.
 NVFUSER_GRAPHED = {"nvfuser-graph": (), "nvfuser-graph-fm": ("fuse_matmul",)}   # impl: the nvFuser options it enables
 
 

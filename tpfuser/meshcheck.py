@@ -37,10 +37,11 @@ def environment(command: str | None = None) -> dict:
         except (OSError, subprocess.SubprocessError):
             commit = None
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "gpus_shared": int(os.environ.get(SHARED_GPU_MARK, "0")),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "gpus_shared": int(os.environ.get(SHARED_GPU_MARK, "0")),
             "torch": torch.__version__, "nvfuser": getattr(nvfuser_direct, "__version__", "?"),
-            "python": platform.python_version(), "command": command or "tpfuser " + " ".join(sys.argv[1:]), "commit": commit,
-            "qkv_split": QKV_SPLIT}
+            "python": platform.python_version(), "command": command or "tpfuser " + " ".join(sys.argv[1:]),
+            "commit": commit, "qkv_split": QKV_SPLIT}
 
 
 def _check_case(cfg: BlockConfig, layout: Layout, rank: int, args, dp_group) -> dict:
