@@ -109,3 +109,36 @@ def test_a_report_says_where_it_came_from(monkeypatch):
     assert env["command"] == "python3 -m tpfuser.bench --train" and env["commit"] == "abc123"
     assert env["qkv_split"] == "slice"
     assert env["date"].startswith("20") and env["nvfuser"] != "?" and env["torch"] == torch.__version__
+
+
+def test_host_column_only_when_every_row_has_it():
+    """The host time to issue a call (reports since the seventh session) is a
+    column where every row carries it; older reports print as before."""
+    rep = copy.deepcopy(json.load(open(REPORTS[0])))
+    assert "host ms" not in format_table(rep)
+    for i, r in enumerate(rep["results"].values()):
+        r["host_ms"] = 0.125 + i
+    table = format_table(rep)
+    assert "host ms" in table.splitlines()[1]
+    eager = next(line for line in table.splitlines() if line.startswith("eager "))
+    assert f"{0.125 + list(rep['results']).index('eager'):.3f}" in eager.split()
+
+
+def test_a_sample_times_the_gpu_and_the_host_apart():
+    """_sample's host figure is the time to issue the calls, its GPU figure the
+    events' (faked here: 10 ms between them whatever the host does)."""
+    import time
+    from tpfuser.bench import _sample
+
+    class Event:
+        def record(self):
+            self.at = time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 10.0
+
+    gpu_ms, host_ms = _sample(lambda: time.sleep(0.004), Event(), Event(), calls=2)
+    assert gpu_ms == 5.0 and 3.5 < host_ms < 20

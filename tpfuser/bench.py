@@ -83,14 +83,23 @@ def failure(e: BaseException) -> str:
     return line + (f" (after {type(e.__context__).__name__}: {error_line(e.__context__)})" if e.__context__ else "")
 
 
-def _time(fn, start, end, calls: int = 1) -> float:
-    """ms per call over `calls` back-to-back calls."""
+def _sample(fn, start, end, calls: int = 1) -> tuple[float, float]:
+    """(GPU ms, host ms) per call over `calls` back-to-back calls. The host's is
+    the time to issue them: where it comes near the GPU's, the calls are bound
+    by their host work and the GPU waits."""
     start.record()
+    t0 = time.perf_counter()
     for _ in range(calls):
         fn()
+    host_s = time.perf_counter() - t0
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / calls
+    return start.elapsed_time(end) / calls, host_s * 1e3 / calls
+
+
+def _time(fn, start, end, calls: int = 1) -> float:
+    """GPU ms per call over `calls` back-to-back calls."""
+    return _sample(fn, start, end, calls)[0]
 
 
 def matmul_rate(cfg, reps: int = 50) -> float:
@@ -232,10 +241,13 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         times = {name: [] for name in fns}
+        host = {name: [] for name in fns}
         t0 = time.time()
         for i in range(iters):  # interleaved: every implementation once per round
             for name, fn in fns.items():
-                times[name].append(_time(fn, start, end, CALLS_PER_SAMPLE))
+                gpu_ms, host_ms = _sample(fn, start, end, CALLS_PER_SAMPLE)
+                times[name].append(gpu_ms)
+                host[name].append(host_ms)
             if progress and (i + 1) % max(1, iters // 10) == 0:
                 print(f"\r  {i + 1}/{iters} rounds ({time.time() - t0:.0f} s)", end="", file=sys.stderr, flush=True)
         if progress:
@@ -252,6 +264,7 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
     for name, ts in times.items():
         med = statistics.median(ts)
         rows[name] = {"median_ms": med, "min_ms": min(ts), "max_ms": max(ts), "runs": len(ts),
+                      "host_ms": statistics.median(host[name]),   # this rank's
                       "tflops": flops / (med * 1e-3) / 1e12, "fraction_of_matmul_rate": floor_ms / med}
     best_peer = add_ratios(rows)
     for name in rows:   # (an implementation that failed on another rank has no row)
@@ -261,7 +274,8 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
     rep = {"preset": preset_name, "config": cfg.__dict__, "pass": "forward+backward" if train else "forward",
            "mesh": f"{layout.dp}x{layout.tp}", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "timing": f"CUDA events over {CALLS_PER_SAMPLE} back-to-back calls per sample, {iters} interleaved "
-                     f"samples each" + (", the slowest rank's" if layout.world_size > 1 else ""),
+                     f"samples each" + (", the slowest rank's" if layout.world_size > 1 else "")
+                     + "; host_ms: the median time to issue a call (rank 0's)",
            "matmul_tflops_measured": rate / 1e12, "copy_gbps_measured": bandwidth / 1e9, "matmul_gflop": flops / 1e9,
            "compute_floor_ms": floor_ms, "best_peer": best_peer, "results": rows, "failed": failed}
     if layout.tp > 1:

@@ -57,12 +57,15 @@ def format_table(rep: dict) -> str:
     if rep.get("gpus_shared"):
         lines[0] += (f"\nthe {rep['mesh']} ranks shared {rep['gpus_shared']} GPU(s) (--share-gpu): "
                      f"these timings are not speed figures")
+    host = all("host_ms" in r for r in rep["results"].values())   # (reports since 2026-12-03's seventh session)
+    if host:
+        lines[1] += f"{'host ms':>9}"
     if any("peak_mib_above_baseline" in r for r in rep["results"].values()):
         lines[1] += f"{'peak MiB':>10}{'saved MiB':>10}{'pool MiB':>10}{'held MiB':>10}"
     for name, r in rep["results"].items():
         line = (f"{name:<24}{r['median_ms']:>10.3f}{r['min_ms']:>8.3f}{r['max_ms']:>8.3f}{r['tflops']:>9.0f}"
                 f"{r['fraction_of_matmul_rate']:>9.2f}{r.get('ratio_to_eager', float('nan')):>9.2f}"
-                f"{r.get('ratio_to_best_peer', float('nan')):>8.2f}")
+                f"{r.get('ratio_to_best_peer', float('nan')):>8.2f}" + (f"{r['host_ms']:>9.3f}" if host else ""))
         if "peak_mib_above_baseline" in r:
             line += (f"{r['peak_mib_above_baseline']:>10.1f}{r.get('saved_activation_mib', float('nan')):>10.1f}"
                      f"{r.get('graph_pool_mib', float('nan')):>10.1f}{r.get('reserved_mib', float('nan')):>10.1f}")
