@@ -28,3 +28,21 @@ def test_the_committed_runs_name_real_gpu_tests():
     assert len(ids) > 30 and passed
     assert set(passed) <= ids        # a renamed or removed test would linger here as covered
     assert "tests/test_gpu_graphs.py::test_tp_block_graphs_train_as_the_called_module[bf16]" in passed
+
+
+def test_split_balances_by_seconds_and_counts_an_unrun_test_as_the_slowest():
+    ids = ["a", "b", "c", "d", "e"]
+    seconds = {"a": 100.0, "b": 60.0, "c": 50.0, "d": 10.0}   # e never ran: counts 100
+    groups = gpu_coverage.split(ids, seconds, 3)
+    assert sorted(t for g in groups for t in g) == ids            # every test once
+    loads = sorted(sum(seconds.get(t, 100.0) for t in g) for g in groups)
+    assert loads == [100.0, 110.0, 110.0]                         # e | a d | b c (longest first)
+    assert ["a", "d"] in groups and ["b", "c"] in groups
+    assert gpu_coverage.split(ids[:2], seconds, 4) == [["a"], ["b"]]   # no empty group
+
+
+def test_split_refuses_no_groups(capsys):
+    import pytest
+    with pytest.raises(SystemExit):
+        gpu_coverage.main(["--split", "0"])
+    assert "--split: expected a number of groups of at least 1, got 0" in capsys.readouterr().err

@@ -4,7 +4,8 @@
 # Writes JSON under $OUT (default ./gpu_out) and prints a short table last.
 #
 # ONLY="fwd+bwd train" picks the steps, in order; steps joined by + run at once:
-#   tests  pytest -m gpu on TESTS (default tests/), narrowed by K, bound TESTS_S (s)
+#   tests  pytest -m gpu on TESTS (default tests/), narrowed by K, bound TESTS_S (s); TEST_JOBS=n: in n
+#          pytest processes at once, balanced by their committed times (TEST_LINES="1 3": only those)
 #   fwd, bwd, bwdmesh   the forward tests; the backward's without and with a mesh (BWD_K narrows)
 #   train, bench, gpt3  benchmarks: nanogpt fwd+bwd, nanogpt fwd, gpt3 fwd (ITERS samples, 30);
 #           bounds TRAIN_S, BENCH_S (the graph peers add torch.compile's and the captures' time)
@@ -44,7 +45,20 @@ pytest_gpu() {  # name, files, -k expression
   T ${TESTS_S:-400} -s INT -- python3 -m pytest -v -m gpu $2 ${3:+-k "$3"} -p no:cacheprovider --junitxml="$OUT/gpu_$1.xml" 2>&1 \
     | tee "$OUT/$1.log" | grep -E "PASSED|FAILED|XFAIL|XPASS|ERROR|SKIPPED|passed|failed" | cut -c1-200 | tail -40
 }
-step_tests() { echo "== GPU tests (1x1): $TESTS ${K:+-k $K}"; pytest_gpu tests "$TESTS" "$K"; }
+step_tests() {
+  echo "== GPU tests (1x1): $TESTS ${K:+-k $K}${TEST_JOBS:+, in $TEST_JOBS pytest processes at once}"
+  if [[ -z ${TEST_JOBS:-} ]]; then pytest_gpu tests "$TESTS" "$K"; return; fi
+  # the selection as TEST_JOBS lines balanced by their committed times; TEST_LINES picks some (1-based)
+  local lines i=0
+  mapfile -t lines < <(python3 tools/gpu_coverage.py --split "$TEST_JOBS" --tests $TESTS ${K:+-k "$K"})
+  for line in "${lines[@]}"; do
+    i=$((i + 1))
+    [[ -z ${TEST_LINES:-} || " $TEST_LINES " == *" $i "* ]] || continue
+    pytest_gpu tests_$i "$line" "" > "$OUT/tests_$i.txt" 2>&1 &
+  done
+  wait
+  cat "$OUT"/tests_[0-9]*.txt
+}
 step_fwd() { echo "== GPU tests (1x1): the forward"; pytest_gpu tests_fwd tests/test_gpu.py ""; }
 step_bwd() { echo "== GPU tests (1x1): the backward without a mesh"; pytest_gpu tests_bwd tests/test_gpu_backward.py "${BWD_K:+($BWD_K) and }not mesh"; }
 step_bwdmesh() { echo "== GPU tests (1x1): the backward on a mesh"; pytest_gpu tests_bwdmesh tests/test_gpu_backward.py "${BWD_K:+($BWD_K) and }mesh"; }
