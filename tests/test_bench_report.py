@@ -142,3 +142,23 @@ def test_a_sample_times_the_gpu_and_the_host_apart():
 
     gpu_ms, host_ms = _sample(lambda: time.sleep(0.004), Event(), Event(), calls=2)
     assert gpu_ms == 5.0 and 3.5 < host_ms < 20
+
+
+def test_the_commit_says_when_the_files_are_not_heads(tmp_path):
+    """A report's commit is HEAD's only where the tracked files are HEAD's."""
+    import subprocess
+    from tpfuser.meshcheck import git_commit
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+    assert git_commit(str(tmp_path)) is None          # not a checkout
+    git("init", "-q")
+    (tmp_path / "f.py").write_text("a = 1\n")
+    git("add", "f.py")
+    git("commit", "-q", "-m", "one")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    (tmp_path / "untracked.txt").write_text("x")
+    assert git_commit(str(tmp_path)) == head
+    (tmp_path / "f.py").write_text("a = 2\n")
+    assert git_commit(str(tmp_path)) == head + " + changes"

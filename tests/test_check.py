@@ -78,9 +78,60 @@ def test_a_rank_fails_on_error_masks_or_a_vacuous_wrong_stream_control():
 
 def test_every_bound_says_why():
     from tpfuser.check import BOUNDS, bound
-    assert {q for _, q in BOUNDS} == {"out", "grad", "wrong_stream"}
+    assert {q for _, q in BOUNDS} == {"out", "grad", "wrong_stream", "eager_margin"}
     assert all(len(why) > 40 for _, why in BOUNDS.values())
     assert bound("fp32", "out") < bound("bf16", "out") < bound("bf16", "grad")
+
+
+def test_a_bf16_bound_grows_to_the_margin_over_eagers_own_error():
+    from tpfuser.check import bound, tolerance
+    assert tolerance("bf16", "out") == tolerance("bf16", "out", 1e-3) == bound("bf16", "out")
+    assert tolerance("bf16", "out", 0.019) == pytest.approx(bound("bf16", "eager_margin") * 0.019)
+    assert tolerance("bf16", "grad", 0.01) == bound("bf16", "grad")
+
+
+def _math_attention(case, device, wrong_stream=False):
+    """flash_attention's stand-in on the CPU (dropout 0): causal softmax attention."""
+    def attention(q, k, v):
+        y = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+        return y.float()
+    return attention
+
+
+def test_bf16_reference_carries_eagers_own_errors_to_every_rank(monkeypatch):
+    """In bf16 the reference also runs the block in eager bf16: its errors (output,
+    worst gradient) go to every rank, and a report's bound grows with them."""
+    import tpfuser.check as check_module
+    monkeypatch.setattr(check_module, "flash_attention", _math_attention)
+    case = Case(preset("tiny", dtype="bf16", dropout=0.0), Layout(1, 2))
+    ref = reference(case, torch.device("cpu"))
+    out, grad = float(ref["eager.out"]), float(ref["eager.grad"])
+    assert 1e-4 < out < 3e-2 and 1e-4 < grad < 1e-1    # bf16's rounding, not a mistake (tiny, CPU: 2.4e-3 out)
+    for r in range(2):
+        mine = rank_slices(ref, case, r)
+        assert float(mine["eager.out"]) == out and float(mine["eager.grad"]) == grad
+        assert mine["param.ln_1.weight"].dtype == torch.bfloat16
+    fp32 = reference(Case(preset("tiny", dtype="fp32", dropout=0.0)), torch.device("cpu"))
+    assert "eager.out" not in fp32
+
+
+def test_a_bf16_report_is_bounded_by_the_margin_over_eager(monkeypatch):
+    import tpfuser.check as check_module
+    monkeypatch.setattr(check_module, "flash_attention", _math_attention)
+    monkeypatch.setitem(check_module.BOUNDS, ("bf16", "eager_margin"), (100.0, "large, so that it wins here"))
+    case = Case(preset("tiny", dtype="bf16", dropout=0.0))
+    real_expectations = check_module.expectations
+
+    def expectations(*args, **kwargs):
+        _ExactBlock.exp = real_expectations(*args, **kwargs)
+        return _ExactBlock.exp
+    _ExactBlock.masks, _ExactBlock.perturb = {}, None
+    monkeypatch.setattr(check_module, "expectations", expectations)
+    monkeypatch.setattr(check_module, "ShardedBlock", _ExactBlock)
+    report = check_module.check(case, device=torch.device("cpu"))
+    eager_out, eager_grad = report.forward["eager_rel_err"], report.backward["eager_worst"]
+    assert report.forward["tolerance"] == pytest.approx(100 * eager_out) and 100 * eager_out > 1e-2
+    assert report.backward["tolerance"] == pytest.approx(100 * eager_grad) and report.ok
 
 
 class _ExactBlock:

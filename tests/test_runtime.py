@@ -196,7 +196,7 @@ def test_check_table_one_line_a_rank_and_case():
     report["cases"][0]["ranks"][1] = graphed.as_dict()
     assert format_checks(report).splitlines()[3].endswith("2/2 graphs NOT: train step equal  FAIL")
     assert "timings here are not speed figures" in lines[0]
-    assert lines[2].split() == ["bf16", "0.10", "0", "2.0e-03", "1e-02", "4.0e-02", "1.6e-01", "5.0e-03", "2.0e-02",
+    assert lines[2].split() == ["bf16", "0.10", "0", "2.0e-03", "1.0e-02", "4.0e-02", "1.6e-01", "5.0e-03", "2.0e-02",
                                 "equal", "2/2", "ok"]
     assert lines[3].split()[:4] == ["bf16", "0.10", "1", "FAILED:"] and "nvFuser said no" in lines[3]
     assert lines[-1] == "SOME RANK FAILED"

@@ -22,6 +22,22 @@ from tpfuser.config import BlockConfig, Layout
 from tpfuser.sharegpu import SHARED_GPU_MARK
 
 
+def git_commit(folder: str) -> str | None:
+    """HEAD of the checkout holding `folder`, with " + changes" where its tracked
+    files differ from it: a device machine's copy of the tree can carry an older
+    .git (run 22: HEAD 40cb333 for the files of 99ae09f), so a command there
+    names the commit in TPFUSER_COMMIT. None outside a checkout."""
+    def git(*args) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=folder, timeout=30)
+    try:
+        head = git("rev-parse", "HEAD").stdout.strip()
+        if not head:
+            return None
+        return head + (" + changes" if git("diff", "--quiet", "HEAD", "--", ".").returncode == 1 else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def environment(command: str | None = None) -> dict:
     """Where the results come from: date, GPU, versions, command (by default
     `tpfuser` and this process's arguments), commit, and the fusion's form of
@@ -29,13 +45,7 @@ def environment(command: str | None = None) -> dict:
     import nvfuser_direct
 
     from tpfuser.fusion import QKV_SPLIT
-    commit = os.environ.get("TPFUSER_COMMIT")
-    if commit is None:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                    cwd=os.path.dirname(__file__), timeout=10).stdout.strip() or None
-        except (OSError, subprocess.SubprocessError):
-            commit = None
+    commit = os.environ.get("TPFUSER_COMMIT") or git_commit(os.path.dirname(__file__))
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "gpus_shared": int(os.environ.get(SHARED_GPU_MARK, "0")),
@@ -106,8 +116,8 @@ def format_checks(report: dict, only_last: bool = False) -> str:
     lines = [f"check {report['preset']} mesh {report['mesh']}{' +sp' if report['sp'] else ''} on {env['gpu']}"
              + (f" ({env['gpus_shared']} GPU shared by all ranks: timings here are not speed figures)"
                 if env["gpus_shared"] else ""),
-             f"{'dtype':5} {'p':>4} {'rank':>4} {'out err':>8} {'tol':>6} {'branch':>8} {'wrong-stream':>12} "
-             f"{'grad worst':>10} {'tol':>6} {'masks':>6} {'collectives':>11}  verdict"]
+             f"{'dtype':5} {'p':>4} {'rank':>4} {'out err':>8} {'tol':>7} {'branch':>8} {'wrong-stream':>12} "
+             f"{'grad worst':>10} {'tol':>7} {'masks':>6} {'collectives':>11}  verdict"]
     for case in report["cases"][-1:] if only_last else report["cases"]:
         for r in case["ranks"]:
             head = f"{case['dtype']:5} {case['dropout']:4.2f} {r['rank']:4d}"
@@ -123,9 +133,9 @@ def format_checks(report: dict, only_last: bool = False) -> str:
             if graphs is not None:
                 colls += " graphs " + ("equal" if all(graphs.values()) else
                                        "NOT: " + ", ".join(k for k, v in graphs.items() if not v))
-            lines.append(f"{head} {_fmt(fwd['rel_err']):>8} {fwd['tolerance']:6.0e} {_fmt(fwd['branch_rel_err']):>8} "
+            lines.append(f"{head} {_fmt(fwd['rel_err']):>8} {_fmt(fwd['tolerance']):>7} {_fmt(fwd['branch_rel_err']):>8} "
                          f"{_fmt(fwd.get('wrong_stream_branch_rel_err')):>12} "
-                         f"{_fmt(bwd and bwd['worst']):>10} {_fmt(bwd and bwd['tolerance']):>6} {masks:>6} {colls:>11}  "
+                         f"{_fmt(bwd and bwd['worst']):>10} {_fmt(bwd and bwd['tolerance']):>7} {masks:>6} {colls:>11}  "
                          + ("ok" if r["ok"] else "FAIL"))
     lines.append("collectives: posted/planned per fusion (forward, training forward, backward); ! = differs from the plan")
     if not only_last or report.get("complete", True):
