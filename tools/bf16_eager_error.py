@@ -1,0 +1,45 @@
+"""How far eager PyTorch in bf16 is from the float32 reference, per preset (CPU,
+dropout 0): the yardstick a bf16 check's bound grows to (check.tolerance).
+
+    python3 tools/bf16_eager_error.py tiny nanogpt gpt3
+
+Both runs see the same bf16-rounded weights and input (as check.reference
+does); prints the output's relative L2 error, the branch's (out - x) and how
+large the branch is against x. gpt3 takes about 2 minutes and 10 GiB here.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from tpfuser.check import rel_l2
+from tpfuser.config import preset
+from tpfuser.reference import make_block, make_input
+
+
+def eager_bf16_error(name: str) -> dict[str, float]:
+    cfg = preset(name, dtype="fp32", dropout=0.0)
+    with torch.no_grad():
+        block = make_block(cfg)
+        for p in block.parameters():
+            p.copy_(p.bfloat16().float())
+        x = make_input(cfg).bfloat16().float()
+        ref = block(x)
+        out = block.bfloat16()(x.bfloat16()).float()
+        return {"out": rel_l2(out, ref), "branch": rel_l2(out - x, ref - x),
+                "branch_over_x": (torch.linalg.vector_norm(ref - x) / torch.linalg.vector_norm(x)).item()}
+
+
+def main(argv: list[str]) -> int:
+    for name in argv or ["tiny", "nanogpt"]:
+        start = time.time()
+        e = eager_bf16_error(name)
+        print(f"{name}: eager bf16 out rel err {e['out']:.3e}, branch {e['branch']:.3e}, "
+              f"|branch|/|x| {e['branch_over_x']:.2f} ({time.time() - start:.0f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
