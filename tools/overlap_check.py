@@ -30,6 +30,17 @@ from tpfuser.fusion import (OVERLAP_OPTIONS, allgather_column_parallel_overlappe
                             check_host_ir_device, row_parallel_overlapped, run_allgather_overlapped)
 
 
+def _verdict(outs: dict, chunks: int, exact: torch.Tensor, by_stream) -> dict:
+    """The chunked output (outs[chunks]) against the whole linear and the 1-chunk
+    fusion (outs[1]); each stream's part's error (by_stream: a tensor's rows as
+    the streams' parts), so that a wrong part is named; and whether a second
+    call (outs["again"]) gave the same bits (a race would show there)."""
+    out = outs[chunks]
+    return {"rel_err": rel_l2(out, exact), "vs_one_chunk": rel_l2(out, outs[1]), "posted": outs[f"posted{chunks}"],
+            "chunk_rel_errs": [rel_l2(a, b) for a, b in zip(by_stream(out), by_stream(exact))],
+            "second_call_equal": torch.equal(out, outs["again"])}
+
+
 def row_parallel(rank, tp, chunks, t, e, dtype):
     torch.manual_seed(0)
     h = torch.randn(t, 4 * e, dtype=dtype)
@@ -42,8 +53,9 @@ def row_parallel(rank, tp, chunks, t, e, dtype):
         with captured_communications() as posted:
             (outs[n],) = of.fd.execute([h_local, w_local], **OVERLAP_OPTIONS)
         outs[n], outs[f"posted{n}"] = outs[n].cpu(), len(posted)
-    return {"rel_err": rel_l2(outs[chunks], exact), "vs_one_chunk": rel_l2(outs[chunks], outs[1]),
-            "posted": outs[f"posted{chunks}"]}
+    (again,) = of.fd.execute([h_local, w_local], **OVERLAP_OPTIONS)
+    outs["again"] = again.cpu()
+    return _verdict(outs, chunks, exact, lambda m: m.chunk(chunks))   # a stream's part: a block of tokens
 
 
 def allgather_column(rank, tp, chunks, t, e, dtype):
@@ -61,8 +73,10 @@ def allgather_column(rank, tp, chunks, t, e, dtype):
         # [n, tp, rows, 4e] -> the tokens rank-major: (tp, n, rows) -> t
         outs[n] = out.cpu().permute(1, 0, 2, 3).reshape(t, 4 * e)
         outs[f"posted{n}"] = len(posted)
-    return {"rel_err": rel_l2(outs[chunks], exact), "vs_one_chunk": rel_l2(outs[chunks], outs[1]),
-            "posted": outs[f"posted{chunks}"]}
+    (again,) = run_allgather_overlapped(of, [local, w.cuda(), b.cuda()])
+    outs["again"] = again.cpu().permute(1, 0, 2, 3).reshape(t, 4 * e)
+    # a stream's part: chunk i of every rank's slice (the tokens are (tp, chunk, row))
+    return _verdict(outs, chunks, exact, lambda m: m.reshape(tp, chunks, -1, 4 * e).unbind(1))
 
 
 def main() -> int:
@@ -94,7 +108,10 @@ def main() -> int:
             print(f"rank {rank} tp {tp} {kind:<28} chunks {chunks}: " +
                   (f"error {row['error'][:300]}" if "error" in row else
                    f"rel err {row['rel_err']:.1e}, vs 1 chunk {row['vs_one_chunk']:.1e}, "
-                   f"{row['posted']} communications posted, {'ok' if row['ok'] else 'FAIL'}"), flush=True)
+                   f"{row['posted']} communications posted, {'ok' if row['ok'] else 'FAIL'}"
+                   + ("" if row["ok"] else f" (per stream's part {', '.join(f'{x:.1e}' for x in row['chunk_rel_errs'])}"
+                      f"; a second call {'gave the same bits' if row['second_call_equal'] else 'DIFFERED'})")),
+                  flush=True)
             if args.json and rank == 0:
                 with open(args.json, "w") as f:
                     json.dump({"rows": rows, "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}, f,
