@@ -154,11 +154,19 @@ def test_the_commit_says_when_the_files_are_not_heads(tmp_path):
                        capture_output=True)
     assert git_commit(str(tmp_path)) is None          # not a checkout
     git("init", "-q")
-    (tmp_path / "f.py").write_text("a = 1\n")
-    git("add", "f.py")
+    assert git_commit(str(tmp_path)) is None          # no commit yet
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "tools").mkdir()
+    for f in ("pkg/f.py", "tools/t.py", ".gitignore"):
+        (tmp_path / f).write_text("*.log\n" if f == ".gitignore" else "a = 1\n")
+    git("add", ".")
     git("commit", "-q", "-m", "one")
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
-    (tmp_path / "untracked.txt").write_text("x")
-    assert git_commit(str(tmp_path)) == head
-    (tmp_path / "f.py").write_text("a = 2\n")
-    assert git_commit(str(tmp_path)) == head + " + changes"
+    pkg = str(tmp_path / "pkg")                        # asked from the package's folder, as environment() does
+    (tmp_path / "run.log").write_text("ignored")
+    assert git_commit(pkg) == head
+    (tmp_path / "tools" / "t.py").write_text("a = 2\n")   # a change outside the package's folder
+    assert git_commit(pkg) == head + " + changes"
+    git("checkout", "--", "tools/t.py")
+    (tmp_path / "tools" / "new.py").write_text("b = 1\n")  # a file the old .git does not know
+    assert git_commit(pkg) == head + " + changes"

@@ -148,22 +148,24 @@ def test_overlap_refuses_a_rank_beyond_the_gpus_nvfuser_would_index():
 def test_overlap_checks_verdict_names_the_wrong_stream_and_a_changed_second_call(monkeypatch):
     """tools/overlap_check.py (GPU) judges a chunked linear; its verdict on made-up outputs (CPU)."""
     import sys
+    from pathlib import Path
 
     import torch
     monkeypatch.setenv("NVFUSER_DUMP", "")          # the tool sets these at import when absent
     monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
-    monkeypatch.syspath_prepend("tools")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools"))
     import overlap_check
     exact = torch.randn(8, 3, dtype=torch.float64)
     wrong = exact.clone()
     wrong[4:6] = 0                                   # the third of 4 streams' token blocks lost
     v = overlap_check._verdict({4: wrong, 1: exact, "posted4": 4, "again": wrong.clone()}, 4, exact,
-                               lambda m: m.chunk(4))
+                               lambda m: overlap_check.token_blocks(m, 4))
     assert v["posted"] == 4 and v["second_call_equal"] and v["rel_err"] > 0.1
     assert [e > 0.5 for e in v["chunk_rel_errs"]] == [False, False, True, False]
-    v = overlap_check._verdict({4: exact, 1: exact, "posted4": 4, "again": wrong}, 4, exact, lambda m: m.chunk(4))
+    v = overlap_check._verdict({4: exact, 1: exact, "posted4": 4, "again": wrong}, 4, exact,
+                               lambda m: overlap_check.token_blocks(m, 4))
     assert v["rel_err"] == 0 and not v["second_call_equal"]
     # the all-gather's tokens are (rank, stream, row): stream i's part takes rows from every rank
-    parts = (lambda m: m.reshape(2, 2, -1, 3).unbind(1))(torch.arange(24.0).reshape(8, 3))
+    parts = overlap_check.gathered_streams(torch.arange(24.0).reshape(8, 3), tp=2, chunks=2)
     assert parts[1][0, 0].tolist() == [6.0, 7.0, 8.0] and parts[1][1, 0].tolist() == [18.0, 19.0, 20.0]
     sys.modules.pop("overlap_check", None)

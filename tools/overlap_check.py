@@ -30,6 +30,17 @@ from tpfuser.fusion import (OVERLAP_OPTIONS, allgather_column_parallel_overlappe
                             check_host_ir_device, row_parallel_overlapped, run_allgather_overlapped)
 
 
+def token_blocks(m: torch.Tensor, chunks: int):
+    """The row-parallel fusion's streams' parts of [t, n]: blocks of tokens."""
+    return m.chunk(chunks)
+
+
+def gathered_streams(m: torch.Tensor, tp: int, chunks: int):
+    """The all-gather fusion's streams' parts of [t, n], its tokens (tp, chunk, row):
+    stream i's part is chunk i of every rank's slice."""
+    return m.reshape(tp, chunks, -1, m.shape[-1]).unbind(1)
+
+
 def _verdict(outs: dict, chunks: int, exact: torch.Tensor, by_stream) -> dict:
     """The chunked output (outs[chunks]) against the whole linear and the 1-chunk
     fusion (outs[1]); each stream's part's error (by_stream: a tensor's rows as
@@ -55,7 +66,7 @@ def row_parallel(rank, tp, chunks, t, e, dtype):
         outs[n], outs[f"posted{n}"] = outs[n].cpu(), len(posted)
     (again,) = of.fd.execute([h_local, w_local], **OVERLAP_OPTIONS)
     outs["again"] = again.cpu()
-    return _verdict(outs, chunks, exact, lambda m: m.chunk(chunks))   # a stream's part: a block of tokens
+    return _verdict(outs, chunks, exact, lambda m: token_blocks(m, chunks))
 
 
 def allgather_column(rank, tp, chunks, t, e, dtype):
@@ -75,8 +86,7 @@ def allgather_column(rank, tp, chunks, t, e, dtype):
         outs[f"posted{n}"] = len(posted)
     (again,) = run_allgather_overlapped(of, [local, w.cuda(), b.cuda()])
     outs["again"] = again.cpu().permute(1, 0, 2, 3).reshape(t, 4 * e)
-    # a stream's part: chunk i of every rank's slice (the tokens are (tp, chunk, row))
-    return _verdict(outs, chunks, exact, lambda m: m.reshape(tp, chunks, -1, 4 * e).unbind(1))
+    return _verdict(outs, chunks, exact, lambda m: gathered_streams(m, tp, chunks))
 
 
 def main() -> int:

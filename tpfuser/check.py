@@ -15,8 +15,8 @@ slices and compares, masks bit for bit. Where the fusion runs in bf16 with
 dropout, the reference also replays the wrong streams (each rank another rank's)
 and the check must tell that run apart: the attention-dropout check is not vacuous.
 In bf16 the same block also runs in eager PyTorch in bf16 (same masks, same
-flash streams): its own error against the reference is the yardstick of a bf16
-bound where it exceeds the fixed one (tolerance()).
+flash streams): 1.5x its own error on a tensor against the reference is that
+tensor's bf16 bound where it exceeds the fixed one (tolerance()).
 """
 
 from __future__ import annotations
@@ -49,10 +49,12 @@ BOUNDS: dict[tuple[str, str], tuple[float, str]] = {
     ("bf16", "grad"): (2e-2, "gradients pass through several bf16 roundings (activations, matmul outputs) "
                              "and sums over b*s rows"),
     ("fp32", "grad"): (1e-5, "as the output: only the order of summation differs"),
-    ("bf16", "eager_margin"): (1.5, "where eager PyTorch's own bf16 run of the block is further than the fixed "
-                                    "bound from the same float32 reference, a bf16 check allows this many times "
-                                    "eager's error (other rounding points than eager's): gpt3's rows of 12288 "
-                                    "put eager's output at 1.9e-2 (CPU, dropout 0), the fusion's at 1.1e-2 (run 23)"),
+    ("bf16", "eager_margin"): (1.5, "a bf16 check allows each tensor this many times eager PyTorch's own bf16 "
+                                    "error on it (the same block, masks and flash streams, against the same "
+                                    "float32 reference) where that exceeds the fixed bound: the fusion rounds at "
+                                    "other points than eager; gpt3's rows of 12288 put eager's output at 9.4e-3 "
+                                    "(CPU, dropout 0, tools/bf16_eager_error.py), the fusion's at 1.1e-2 (run 23), "
+                                    "past the fixed 1e-2"),
     ("bf16", "wrong_stream"): (2.0, "replaying the wrong ranks' flash-attention streams must raise the branch "
                                     "error (out - x) this many times over the right replay's; measured (run 9): "
                                     "nanogpt 25x, tiny 3.1-4.1x (its bf16 output rounding is already 4% of its "
@@ -65,14 +67,11 @@ def bound(dtype: str, quantity: str) -> float:
 
 
 def tolerance(dtype: str, quantity: str, eager: float | None = None) -> float:
-    """A check's bound on `quantity` ("out" or "grad"): the fixed one, or where
-    eager PyTorch's own error in this dtype is given and larger, the margin times that."""
+    """A check's bound on a tensor of `quantity` ("out" or "grad"): the fixed one,
+    or where eager PyTorch's own error on that tensor is given and the margin
+    times it is larger, that."""
     fixed = bound(dtype, quantity)
     return fixed if eager is None else max(fixed, bound(dtype, "eager_margin") * eager)
-
-
-def _number(t: torch.Tensor | None) -> float | None:
-    return None if t is None else float(t)
 
 
 def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -195,9 +194,9 @@ def reference(case: Case, device: torch.device, backward: bool = True) -> dict[s
 
 def eager_errors(block: Block, ref: dict[str, torch.Tensor], masks, attention, backward: bool) -> dict:
     """Eager PyTorch's own bf16 run of the reference block (its weights, input,
-    masks and flash streams) against the float32 run: "eager.out", the output's
-    relative L2 error, and with `backward` "eager.grad", the worst over grad_x
-    and the parameters' gradients (0-d tensors, handed to every rank)."""
+    masks and flash streams) against the float32 run, relative L2 errors over
+    the whole tensors: "eager.out", and with `backward` "eager.grad.x" and
+    "eager.grad.<parameter>" (0-d tensors, handed to every rank)."""
     with torch.device("meta"):
         peer = Block(block.cfg).to(torch.bfloat16)
     peer = peer.to_empty(device=ref["x"].device)
@@ -208,9 +207,9 @@ def eager_errors(block: Block, ref: dict[str, torch.Tensor], masks, attention, b
     errors = {"eager.out": rel_l2(out, ref["out"])}
     if backward:
         out.backward(ref["grad_out"].bfloat16())
-        grads = [rel_l2(x.grad, ref["grad_x"])]
-        grads += [rel_l2(p.grad, q.grad) for p, q in zip(peer.parameters(), block.parameters())]
-        errors["eager.grad"] = max(grads)
+        errors["eager.grad.x"] = rel_l2(x.grad, ref["grad_x"])
+        mine = dict(block.named_parameters())
+        errors |= {f"eager.grad.{n}": rel_l2(p.grad, mine[n].grad) for n, p in peer.named_parameters()}
     return {name: torch.tensor(e) for name, e in errors.items()}
 
 
@@ -321,6 +320,7 @@ def check(case: Case, rank: int = 0, backward: bool = True, mesh: bool = True, d
 
     report = RankReport(preset_name, cfg.dtype, cfg.dropout, f"{layout.dp}x{layout.tp}", layout.sp, rank)
     exp = expectations(case, rank, device, backward)
+    eager = {name.removeprefix("eager."): float(t) for name, t in exp.items() if name.startswith("eager.")}
     lap("reference")
     block = ShardedBlock(cfg, layout, rank, check=True, device=device, mesh=mesh, dp_group=dp_group)
     block.load_shards([exp[f"param.{n}"] for n in PARAM_NAMES])
@@ -334,11 +334,11 @@ def check(case: Case, rank: int = 0, backward: bool = True, mesh: bool = True, d
     lap("forward")
     out, xf = outs["out"], exp["x"]
     report.forward = {"rel_err": rel_l2(out, exp["out"]), "branch_rel_err": rel_l2(out.float() - xf, exp["out"] - xf),
-                      "tolerance": tolerance(cfg.dtype, "out", _number(exp.get("eager.out"))),
+                      "tolerance": tolerance(cfg.dtype, "out", eager.get("out")),
                       "mask_mismatches": _mask_mismatches(outs, masks),
                       "keep_rates": {n: outs[n].float().mean().item() for n in masks}}
-    if "eager.out" in exp:
-        report.forward["eager_rel_err"] = _number(exp["eager.out"])
+    if eager:
+        report.forward["eager_rel_err"] = eager["out"]
     if "out.wrong_stream" in exp:
         report.forward["wrong_stream_branch_rel_err"] = rel_l2(out.float() - xf, exp["out.wrong_stream"] - xf)
 
@@ -351,12 +351,14 @@ def check(case: Case, rank: int = 0, backward: bool = True, mesh: bool = True, d
         lap("backward")
         errors = {"out": rel_l2(named["out"], exp["out"]), "x": rel_l2(grad_x, exp["grad_x"])}
         errors |= {n: rel_l2(g, exp[f"grad.{n}"]) for n, g in zip(PARAM_NAMES, grads)}
-        worst = max(errors, key=errors.get)
-        report.backward = {"errors": errors, "worst": errors[worst], "worst_tensor": worst,
-                           "tolerance": tolerance(cfg.dtype, "grad", _number(exp.get("eager.grad"))),
+        # each tensor's bound (bf16: its own eager error's), the worst the one nearest its bound
+        tolerances = {n: tolerance(cfg.dtype, "grad", eager.get(n if n == "out" else f"grad.{n}")) for n in errors}
+        worst = max(errors, key=lambda n: errors[n] / tolerances[n])
+        report.backward = {"errors": errors, "tolerances": tolerances, "worst": errors[worst], "worst_tensor": worst,
+                           "tolerance": tolerances[worst],
                            "mask_mismatches": _mask_mismatches(dict(zip(saved_names(cfg), saved)), masks)}
-        if "eager.grad" in exp:
-            report.backward["eager_worst"] = _number(exp["eager.grad"])
+        if eager:
+            report.backward["eager_errors"] = {n: eager[n if n == "out" else f"grad.{n}"] for n in errors}
     if graphs:
         report.graphs = graph_equality(case, rank, exp, outs, backward, dp_group, mesh)
         lap("graphs")

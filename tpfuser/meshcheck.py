@@ -23,17 +23,19 @@ from tpfuser.sharegpu import SHARED_GPU_MARK
 
 
 def git_commit(folder: str) -> str | None:
-    """HEAD of the checkout holding `folder`, with " + changes" where its tracked
-    files differ from it: a device machine's copy of the tree can carry an older
+    """HEAD of the checkout holding `folder`, with " + changes" where its files
+    differ from it anywhere in the tree (tracked files changed, or files it does
+    not track nor ignore): a device machine's copy of the tree can carry an older
     .git (run 22: HEAD 40cb333 for the files of 99ae09f), so a command there
     names the commit in TPFUSER_COMMIT. None outside a checkout."""
     def git(*args) -> subprocess.CompletedProcess:
         return subprocess.run(["git", *args], capture_output=True, text=True, cwd=folder, timeout=30)
     try:
-        head = git("rev-parse", "HEAD").stdout.strip()
-        if not head:
+        head = git("rev-parse", "--verify", "--quiet", "HEAD")
+        if head.returncode != 0:   # not a checkout, or one without a commit
             return None
-        return head + (" + changes" if git("diff", "--quiet", "HEAD", "--", ".").returncode == 1 else "")
+        status = git("status", "--porcelain", "--", ":/")   # the whole tree, untracked files that git does not ignore
+        return head.stdout.strip() + (" + changes" if status.returncode != 0 or status.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return None
 
