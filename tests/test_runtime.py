@@ -294,3 +294,27 @@ def test_enable_reaches_every_fusion_call_and_nothing_is_passed_by_default():
 def test_enable_as_a_bare_string_is_refused():
     with pytest.raises(ValueError, match=r"enable='fuse_matmul': a tuple of nvFuser option names, e.g. \('fuse_matmul',\)"):
         ShardedBlock(preset("tiny"), device=torch.device("cpu"), enable="fuse_matmul")
+
+
+def test_kernel_summary_says_where_the_gpu_waits():
+    """With start times, the idle time before each activity is added up by its
+    name (two calls: a copy, 4 us before the GEMM, 5 before the LayerNorm, the
+    second call's copy 66 us after the first's end; a second stream's kernel
+    inside the GEMM adds no gap)."""
+    from tpfuser.bench import kernel_summary
+    from tpfuser.benchreport import format_table
+    kernels = []
+    for call in range(2):
+        t = call * 200.0
+        kernels += [("copy", 5.0, t + 11.0), ("gemm", 100.0, t + 20.0), ("side", 10.0, t + 50.0), ("ln", 20.0, t + 125.0)]
+    s = kernel_summary(kernels, calls=2, median_ms=0.2)
+    before = dict(s["idle_before_ms_per_call"])
+    assert before["copy"] == pytest.approx((211 - 145) / 2 / 1e3)   # the second call's copy after the first's ln
+    assert before["gemm"] == pytest.approx(4 / 1e3) and before["ln"] == pytest.approx(5 / 1e3)
+    assert "side" not in before or before["side"] == 0.0
+    assert kernel_summary([(n, us) for n, us, _ in kernels], calls=2, median_ms=0.2).get("idle_before_ms_per_call") is None
+    rep = {"preset": "tiny", "pass": "forward", "gpu": "g", "mesh": "1x1", "compute_floor_ms": 0.1,
+           "matmul_tflops_measured": 1.0, "results": {"x": {"median_ms": 0.2, "min_ms": 0.2, "max_ms": 0.2,
+                                                            "tflops": 1.0, "fraction_of_matmul_rate": 0.5,
+                                                            "profile": s}}}
+    assert "idle most before: copy 0.033, ln 0.005, gemm 0.004" in format_table(rep)

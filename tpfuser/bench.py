@@ -169,29 +169,43 @@ def comm_floor_ms(cfg, layout: Layout, busbw: float, train: bool) -> float:
     return sum(c.wire_bytes_per_rank for c in colls if c.axis == "tp") / busbw * 1e3
 
 
-def kernel_summary(kernels: list[tuple[str, float]], calls: int, median_ms: float, top: int = 6) -> dict:
-    """What a call's time goes to: `kernels` are (name, microseconds) of every GPU
-    kernel over `calls` calls; median_ms the call's timed median. The GPU is idle
-    for the rest (launches, host work, waits): a launch-bound call has much of it."""
+def kernel_summary(kernels: list[tuple], calls: int, median_ms: float, top: int = 6) -> dict:
+    """What a call's time goes to: `kernels` are (name, microseconds[, start
+    microseconds]) of every GPU activity over `calls` calls; median_ms the call's
+    timed median. The GPU is idle for the rest (launches, host work, waits): a
+    launch-bound call has much of it. With starts, the idle GPU time before each
+    activity (after the one that ended last) is added up by its name: where
+    the GPU waits ("idle_before_ms_per_call", the largest three)."""
     per_name: dict[str, float] = {}
-    for name, us in kernels:
+    for name, us, *_ in kernels:
         per_name[name] = per_name.get(name, 0.0) + us
-    busy = sum(us for _, us in kernels) / calls / 1e3
+    busy = sum(k[1] for k in kernels) / calls / 1e3
     ranked = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
-    return {"kernels_per_call": len(kernels) / calls, "kernel_ms_per_call": busy,
-            "idle_ms_per_call": max(0.0, median_ms - busy),
-            "top_kernels_ms_per_call": [[name[:100], us / calls / 1e3] for name, us in ranked]}
+    summary = {"kernels_per_call": len(kernels) / calls, "kernel_ms_per_call": busy,
+               "idle_ms_per_call": max(0.0, median_ms - busy),
+               "top_kernels_ms_per_call": [[name[:100], us / calls / 1e3] for name, us in ranked]}
+    if kernels and len(kernels[0]) > 2:
+        before: dict[str, float] = {}
+        ordered = sorted(kernels, key=lambda k: k[2])
+        ended = ordered[0][2] + ordered[0][1]
+        for name, us, start in ordered[1:]:
+            before[name] = before.get(name, 0.0) + max(0.0, start - ended)   # streams may overlap: no gap then
+            ended = max(ended, start + us)
+        worst = sorted(before.items(), key=lambda kv: -kv[1])[:3]
+        summary["idle_before_ms_per_call"] = [[name[:100], us / calls / 1e3] for name, us in worst]
+    return summary
 
 
-def profile_kernels(fn, calls: int) -> list[tuple[str, float]]:
-    """(name, microseconds) of the GPU kernels of `calls` calls of fn (torch.profiler)."""
+def profile_kernels(fn, calls: int) -> list[tuple[str, float, float]]:
+    """(name, microseconds, start microseconds) of the GPU activities (kernels,
+    copies, fills) of `calls` calls of fn (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+    return [(e.name, e.time_range.elapsed_us(), e.time_range.start) for e in prof.events()
             if e.device_type == torch.autograd.DeviceType.CUDA]
 
 

@@ -77,5 +77,7 @@ def format_table(rep: dict) -> str:
             p = r["profile"]
             lines.append(f"{name:<24}{p['kernels_per_call']:.0f} kernels a call, GPU busy {p['kernel_ms_per_call']:.3f} ms, "
                          f"idle {p['idle_ms_per_call']:.3f} ms; most: " +
-                         ", ".join(f"{k[:40]} {ms:.3f}" for k, ms in p["top_kernels_ms_per_call"][:3]))
+                         ", ".join(f"{k[:40]} {ms:.3f}" for k, ms in p["top_kernels_ms_per_call"][:3]) +
+                         ("; idle most before: " + ", ".join(f"{k[:40]} {ms:.3f}" for k, ms in p["idle_before_ms_per_call"])
+                          if p.get("idle_before_ms_per_call") else ""))
     return "\n".join(lines)
