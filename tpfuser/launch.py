@@ -179,7 +179,8 @@ def shared_gpu_bytes(cfg, layout: Layout) -> int:
     """GPU memory a --share-gpu check of cfg on this mesh needs, all ranks on one
     GPU (an estimate): every rank's CUDA context and communicators, its weights,
     gradients and saved activations a few times over, and rank 0's float32
-    reference of the whole block (weights, gradients, activations)."""
+    reference of the whole block (weights, gradients, activations; in bf16 also
+    its eager bf16 run)."""
     from tpfuser.plan import PARAM_PLACEMENTS, local_shape, saved_bytes_per_rank
     from tpfuser.reference import param_shapes
     shapes = param_shapes(cfg)
@@ -190,7 +191,18 @@ def shared_gpu_bytes(cfg, layout: Layout) -> int:
     oracle = 16 * total + 4 * rows * cfg.n_embd * 40
     if cfg.dtype == "fp32":   # the written-out attention's [b, h, s, s] probabilities, a few of them
         oracle += 4 * cfg.batch * cfg.n_head * cfg.seq * cfg.seq * 6
+    else:
+        oracle += eager_peer_bytes(cfg)
     return layout.world_size * per_rank + oracle
+
+
+def eager_peer_bytes(cfg) -> int:
+    """What rank 0's eager bf16 run beside the reference adds (check.eager_errors):
+    its weights and gradients in bf16, and a float64 copy of the largest
+    gradient and of its reference while their error is taken."""
+    from tpfuser.reference import param_shapes
+    sizes = [math.prod(s) for s in param_shapes(cfg).values()]
+    return 4 * sum(sizes) + 16 * max(sizes)
 
 
 def check_shared_gpu_fits(cfg, layout: Layout, free_bytes: int) -> None:
