@@ -57,7 +57,7 @@ step_tests() {
     pytest_gpu tests_$i "$line" "" > "$OUT/tests_$i.txt" 2>&1 &
   done
   wait
-  cat "$OUT"/tests_[0-9]*.txt
+  ls "$OUT"/tests_[0-9]*.txt | sort -V | xargs cat   # line 10 after line 9
 }
 step_fwd() { echo "== GPU tests (1x1): the forward"; pytest_gpu tests_fwd tests/test_gpu.py ""; }
 step_bwd() { echo "== GPU tests (1x1): the backward without a mesh"; pytest_gpu tests_bwd tests/test_gpu_backward.py "${BWD_K:+($BWD_K) and }not mesh"; }
