@@ -170,3 +170,33 @@ def test_the_commit_says_when_the_files_are_not_heads(tmp_path):
     git("checkout", "--", "tools/t.py")
     (tmp_path / "tools" / "new.py").write_text("b = 1\n")  # a file the old .git does not know
     assert git_commit(pkg) == head + " + changes"
+
+
+def test_each_nvfuser_impl_builds_its_block_with_its_options(monkeypatch):
+    """bench's nvFuser implementations differ only in ShardedBlock's options
+    (mesh, nvFuser options, unit axes split or not): recorded here, no GPU."""
+    import tpfuser.graphs
+    import tpfuser.runtime
+    from tpfuser.bench import IMPLS, NVFUSER_CALLED, NVFUSER_GRAPHED, _forward_fns, check_impls
+    from tpfuser.config import Layout, preset
+    made = {}
+
+    class Recorder:
+        def __init__(self, cfg, layout, rank, **options):
+            self.options = options
+
+        def load(self, state):
+            return self
+
+    monkeypatch.setattr(tpfuser.runtime, "ShardedBlock", Recorder)
+    monkeypatch.setattr(tpfuser.graphs, "GraphedForward", lambda block: block)
+    impls = [*NVFUSER_CALLED, *NVFUSER_GRAPHED]
+    check_impls(impls, Layout())
+    assert set(impls) <= set(IMPLS)
+    fns = _forward_fns(preset("tiny"), torch.nn.Linear(1, 1), None, impls, Layout(), 0, None)
+    for impl, fn in fns.items():
+        made[impl] = fn.__defaults__[0].options   # the block each call runs
+    assert made["nvfuser"] == {} and made["nvfuser-nomesh"] == {"mesh": False}
+    assert made["nvfuser-unsplit"] == {"split_unit_axes": False}
+    assert made["nvfuser-graph-unsplit"] == {"keys_on_device": True, "split_unit_axes": False}
+    assert made["nvfuser-graph-fm"] == {"keys_on_device": True, "enable": ("fuse_matmul",)}

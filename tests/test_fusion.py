@@ -133,3 +133,19 @@ def test_qkv_split_is_checked_where_it_is_set():
     run = subprocess.run([sys.executable, "-c", "import tpfuser.fusion"], capture_output=True, text=True,
                          env={**os.environ, "TPFUSER_QKV_SPLIT": "slices"})
     assert run.returncode != 0 and "TPFUSER_QKV_SPLIT='slices': expected one of slice, select, onehot" in run.stderr
+
+
+@pytest.mark.parametrize("dp, tp", [(1, 1), (1, 2), (2, 1)])
+def test_unit_axes_left_unsplit_only_where_asked(dp, tp):
+    """split_unit_axes=False drops the splits over a mesh axis of one device (no
+    collective over a team of one), and only those: the default keeps them."""
+    from tpfuser.fusion import build_backward, build_forward
+    cfg, layout = preset("tiny"), Layout(dp, tp)
+    for build in (lambda **kw: build_forward(cfg, layout, train=True, **kw),
+                  lambda **kw: build_backward(cfg, layout, **kw)):
+        split = build().fd.fusion.print_math()
+        unsplit = build(split_unit_axes=False).fd.fusion.print_math()
+        assert "deviceIdx.x" in split   # the default: every placement split, of one device or more
+        assert ("deviceIdx.x" in unsplit) == (tp > 1)
+        assert ("deviceIdx.y" in unsplit) == (dp > 1 and "deviceIdx.y" in split)
+        assert "DeviceMesh" in unsplit   # still on the mesh

@@ -41,14 +41,18 @@ from tpfuser.plan import backward_collectives, collectives, forward_flops, place
 from tpfuser.reference import make_block, make_input, sdpa_forward
 from tpfuser.shard import local_slice
 
-IMPLS = ("nvfuser", "nvfuser-graph", "nvfuser-graph-fm", "nvfuser-nomesh", "eager", "eager-graph", "compile",
-         "compile-reduce-overhead", "dtensor")
+IMPLS = ("nvfuser", "nvfuser-unsplit", "nvfuser-graph", "nvfuser-graph-fm", "nvfuser-graph-unsplit", "nvfuser-nomesh",
+         "eager", "eager-graph", "compile", "compile-reduce-overhead", "dtensor")
 # Replayed from a CUDA graph: nvfuser-graph* (tpfuser.graphs), eager-graph (eager
 # captured by hand) and compile-reduce-overhead (torch.compile's own CUDA-graph
-# mode). nvfuser-graph-fm (asked for by --impl only) is nvfuser-graph with
+# mode). Asked for by --impl only: nvfuser-graph-fm, nvfuser-graph with
 # nvFuser's own matmul kernels (fuse_matmul), their neighbours' pointwise work
-# fused in, where ATen's run otherwise.
-NVFUSER_GRAPHED = {"nvfuser-graph": (), "nvfuser-graph-fm": ("fuse_matmul",)}   # impl: the nvFuser options it enables
+# fused in, where ATen's run otherwise; *-unsplit, the block without splits over
+# a mesh axis of one device (no collective over a team of one: fusion.schedule).
+NVFUSER_CALLED = {"nvfuser": {}, "nvfuser-unsplit": {"split_unit_axes": False},
+                  "nvfuser-nomesh": {"mesh": False}}                    # impl: ShardedBlock's options
+NVFUSER_GRAPHED = {"nvfuser-graph": {}, "nvfuser-graph-fm": {"enable": ("fuse_matmul",)},
+                   "nvfuser-graph-unsplit": {"split_unit_axes": False}}
 
 
 def default_impls(layout: Layout) -> tuple[str, ...]:
@@ -318,16 +322,16 @@ def _reduce_overhead(ref, x, p):
 
 def _forward_fns(cfg, ref, x, impls, layout, rank, groups):
     fns = {}
-    for impl, mesh in (("nvfuser", True), ("nvfuser-nomesh", False)):
+    for impl, options in NVFUSER_CALLED.items():
         if impl in impls:
             from tpfuser.runtime import ShardedBlock
-            nv = ShardedBlock(cfg, layout, rank, mesh=mesh).load(ref.state_dict())
+            nv = ShardedBlock(cfg, layout, rank, **options).load(ref.state_dict())
             fns[impl] = lambda nv=nv, steps=_step_offsets(): nv(x, 1234, next(steps))["out"]
-    for impl, enable in NVFUSER_GRAPHED.items():
+    for impl, options in NVFUSER_GRAPHED.items():
         if impl in impls:
             from tpfuser.graphs import GraphedForward
             from tpfuser.runtime import ShardedBlock
-            block = ShardedBlock(cfg, layout, rank, keys_on_device=True, enable=enable).load(ref.state_dict())
+            block = ShardedBlock(cfg, layout, rank, keys_on_device=True, **options).load(ref.state_dict())
             fns[impl] = lambda graphed=GraphedForward(block), steps=_step_offsets(): \
                 graphed(x, 1234, next(steps))["out"]
     if "eager" in impls:
@@ -376,9 +380,9 @@ def _train_fns(cfg, ref, x, impls, layout, rank, groups):
     grad = torch.randn_like(x)
     x = x.detach().requires_grad_(True)   # as inside a model: every implementation computes the input's gradient
     fns, memory, forwards, failed = {}, {}, {}, {}
-    for impl, mesh in (("nvfuser", True), ("nvfuser-nomesh", False)):
+    for impl, options in NVFUSER_CALLED.items():
         if impl in impls:
-            model = TPBlock(cfg, layout, rank, mesh=mesh, dp_group=groups.dp if groups else None)
+            model = TPBlock(cfg, layout, rank, dp_group=groups.dp if groups else None, **options)
             model.load_full_state_dict(ref.state_dict())
             forwards[impl] = (lambda m=model: m(x), list(model.parameters()), False)   # its backward sums over dp
     params = list(ref.parameters())
@@ -452,12 +456,12 @@ def _graphed_train_fns(cfg, ref, x, grad, impls, layout, rank, groups):
     Gradients summed over dp after the replay where dp > 1 (a gloo group)."""
     from tpfuser.world import sum_over_group
     out = {}
-    for impl, enable in NVFUSER_GRAPHED.items():
+    for impl, options in NVFUSER_GRAPHED.items():
         if impl in impls:
             from tpfuser.graphs import GraphedTrainStep
             from tpfuser.runtime import ShardedBlock
             block = ShardedBlock(cfg, layout, rank, keys_on_device=True, dp_group=groups.dp if groups else None,
-                                 enable=enable)
+                                 **options)
             graphed = GraphedTrainStep(block.load(ref.state_dict()))
             out[impl] = (lambda graphed=graphed, steps=_step_offsets(): graphed(x.detach(), grad, 1234, next(steps)),
                          lambda graphed=graphed: graphed.pool_bytes)

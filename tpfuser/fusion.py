@@ -327,19 +327,26 @@ def make_mesh(layout: Layout, row: int | None = None):
     return nvf.multidevice.DeviceMesh(torch.arange(layout.world_size).reshape(layout.dp, layout.tp))
 
 
-def _apply_placement(tv, placement, layout):
+def _apply_placement(tv, placement, layout, split_unit_axes: bool = True):
     sizes = axis_sizes(layout)
     # Split the highest dimension first so that lower indices stay valid.
     for dim in sorted(placement, reverse=True):
+        if sizes[placement[dim]] == 1 and not split_unit_axes:
+            continue
         tv.outer_split(dim, sizes[placement[dim]])
         tv.axis(dim).parallelize(_MESH_AXIS[placement[dim]])
 
 
-def schedule(ff, layout: Layout, row: int | None = None) -> None:
+def schedule(ff, layout: Layout, row: int | None = None, split_unit_axes: bool = True) -> None:
     """Put every input (and output, and the backward's planned intermediates) on the
     dp x tp mesh and split it as plan.placements(layout) says.
 
     With `row`, on that dp rank's tp devices alone (a 1-D mesh), the dp splits left out.
+    split_unit_axes=False leaves out the splits over a mesh axis of one device
+    too: the tensor is the same, but nvFuser 0.2.36 then posts no collective
+    over a team of one (at 1x1 it posts the row-parallel all-reduces through
+    NCCL otherwise: NOTES-history.md). An experiment (bench's *-unsplit): every
+    mesh check so far ran with the splits.
     Must run inside the `with FusionDefinition()` block, after define_forward or define_backward.
     """
     mesh = make_mesh(layout, row)
@@ -353,17 +360,17 @@ def schedule(ff, layout: Layout, row: int | None = None) -> None:
         placement = where[name]
         if flat:
             placement = {dim: axis for dim, axis in placement.items() if axis != DP}
-        _apply_placement(tv, placement, layout)
+        _apply_placement(tv, placement, layout, split_unit_axes)
 
 
 def build_forward(cfg: BlockConfig, layout: Layout | None = None, check: bool = False,
-                  train: bool = False, keys_on_device: bool = False) -> ForwardFusion:
-    """Define the forward and, when a layout is given, shard it on its mesh."""
+                  train: bool = False, keys_on_device: bool = False, split_unit_axes: bool = True) -> ForwardFusion:
+    """Define the forward and, when a layout is given, shard it on its mesh (schedule)."""
     with FusionDefinition() as fd:
         ff = define_forward(fd, cfg, check, train, keys_on_device)
         if layout is not None:
             layout.check(cfg)
-            schedule(ff, layout)
+            schedule(ff, layout, split_unit_axes=split_unit_axes)
     return ff
 
 
@@ -575,7 +582,8 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None) -> Bac
     return bf
 
 
-def build_backward(cfg: BlockConfig, layout: Layout | None = None, outputs=None, dp_rank: int = 0) -> BackwardFusion:
+def build_backward(cfg: BlockConfig, layout: Layout | None = None, outputs=None, dp_rank: int = 0,
+                   split_unit_axes: bool = True) -> BackwardFusion:
     """Define the backward and, when a layout is given, shard it on its mesh.
 
     The backward of dp rank `dp_rank` runs on that rank's tp devices alone, on
@@ -591,7 +599,7 @@ def build_backward(cfg: BlockConfig, layout: Layout | None = None, outputs=None,
     with FusionDefinition() as fd:
         bf = define_backward(fd, cfg, outputs)
         if layout is not None:
-            schedule(bf, layout, row=dp_rank)
+            schedule(bf, layout, row=dp_rank, split_unit_axes=split_unit_axes)
             bf.meshed = True
     return bf
 

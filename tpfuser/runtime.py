@@ -78,7 +78,7 @@ class ShardedBlock:
     def __init__(self, cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, check: bool = False,
                  device: Optional[torch.device] = None, mesh: bool = True,
                  dp_group=None, check_finite: bool = False, keys_on_device: bool = False,
-                 enable: tuple[str, ...] = ()):
+                 enable: tuple[str, ...] = (), split_unit_axes: bool = True):
         """mesh=False (1x1 only) builds the fusion without a device mesh: the
         same math, run by nvFuser's single-device executor (see NOTES.md, runs 15-18).
         dp_group: the torch.distributed group of this rank's dp replicas (world.dp_group),
@@ -91,6 +91,9 @@ class ShardedBlock:
         enable: nvFuser options turned on for every call of this block's fusions
         (`_enable_options`), e.g. ("fuse_matmul",): nvFuser's own matmul kernels,
         with the pointwise work around them fused in, instead of ATen's.
+        split_unit_axes=False: no split over a mesh axis of one device
+        (fusion.schedule), so that nvFuser posts no collective over a team of
+        one; an experiment, not yet run by the checks.
         On its own (no launcher) the process describes a world of one to nvFuser
         first (world.describe_single_process): before its first fusion runs."""
         describe_single_process()
@@ -106,6 +109,7 @@ class ShardedBlock:
             raise ValueError(f"enable={enable!r}: a tuple of nvFuser option names, e.g. ({enable!r},)")
         self.enable = tuple(enable)
         self._options = {"_enable_options": list(self.enable)} if self.enable else {}
+        self.split_unit_axes = split_unit_axes
         self._keys = None   # the keys' CUDA tensor (keys_on_device), made at first use
         self._eval_cfg = cfg.replace(dropout=0.0) if cfg.dropout > 0 else cfg   # mode_cfg(False), made once
         # what the layout fixes, made once, not on every call
@@ -162,10 +166,12 @@ class ShardedBlock:
         key = (kind, cfg.dropout > 0)
         if key not in self._fusions:
             if kind == "backward":
-                self._fusions[key] = build_backward(cfg, self._mesh_layout, dp_rank=self.dp_rank)
+                self._fusions[key] = build_backward(cfg, self._mesh_layout, dp_rank=self.dp_rank,
+                                                    split_unit_axes=self.split_unit_axes)
             else:
                 self._fusions[key] = build_forward(cfg, self._mesh_layout, check=self.check, train=kind == "train",
-                                                   keys_on_device=self.keys_on_device and cfg.dropout > 0)
+                                                   keys_on_device=self.keys_on_device and cfg.dropout > 0,
+                                                   split_unit_axes=self.split_unit_axes)
         return self._fusions[key]
 
     def local_param_shape(self, name: str) -> tuple[int, ...]:
@@ -341,15 +347,15 @@ class TPBlock(torch.nn.Module):
     forward, and its backward one of the backward (graphs.GraphedTraining),
     captured at the first call; one step at a time (forward, then backward).
     The output is a view of a buffer the next step overwrites. Eval-mode calls
-    are not graphed."""
+    are not graphed. split_unit_axes: as ShardedBlock's."""
 
     def __init__(self, cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, rng_seed: int = 0,
                  device: Optional[torch.device] = None, mesh: bool = True,
-                 dp_group=None, graphs: bool = False):
+                 dp_group=None, graphs: bool = False, split_unit_axes: bool = True):
         super().__init__()
         self.cfg, self.layout, self.rank = cfg, layout, rank
         self.runner = ShardedBlock(cfg, layout, rank, device=device, mesh=mesh, dp_group=dp_group,
-                                   keys_on_device=graphs)
+                                   keys_on_device=graphs, split_unit_axes=split_unit_axes)
         self.graphs = graphs
         self._graphed = None   # graphs.GraphedTraining, made at the first training-mode call
         self.shards = torch.nn.ParameterList()
