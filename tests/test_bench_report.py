@@ -200,3 +200,15 @@ def test_each_nvfuser_impl_builds_its_block_with_its_options(monkeypatch):
     assert made["nvfuser-unsplit"] == {"split_unit_axes": False}
     assert made["nvfuser-graph-unsplit"] == {"keys_on_device": True, "split_unit_axes": False}
     assert made["nvfuser-graph-fm"] == {"keys_on_device": True, "enable": ("fuse_matmul",)}
+
+
+def test_the_training_benches_take_every_option_their_impls_give():
+    """_train_fns builds the called nvFuser impls as TPBlock(**NVFUSER_CALLED[impl]),
+    _graphed_train_fns the graphed ones as ShardedBlock(**NVFUSER_GRAPHED[impl]):
+    an option one of them does not take would fail only on a GPU."""
+    import inspect
+    from tpfuser.bench import NVFUSER_CALLED, NVFUSER_GRAPHED
+    from tpfuser.runtime import ShardedBlock, TPBlock
+    takes = {cls: set(inspect.signature(cls.__init__).parameters) for cls in (TPBlock, ShardedBlock)}
+    assert all(set(options) <= takes[TPBlock] for options in NVFUSER_CALLED.values())
+    assert all(set(options) | {"keys_on_device"} <= takes[ShardedBlock] for options in NVFUSER_GRAPHED.values())

@@ -84,17 +84,17 @@ def test_share_gpu_refuses_what_the_gpu_cannot_hold():
 
 def test_a_bf16_check_counts_rank_0s_eager_run(monkeypatch):
     """In bf16, rank 0 also runs the block in eager bf16 (check.eager_errors):
-    weights and gradients in bf16 (4 bytes a parameter) and float64 copies of
-    the largest gradient pair (c_fc's or c_proj's, 4 e^2 each) while compared."""
+    weights and gradients in bf16 (4 bytes a parameter) and, while the largest
+    gradient (c_fc's or c_proj's, 4 e^2) is compared, three float64 tensors of its size."""
     from tpfuser.config import preset
     gpt3 = preset("gpt3")
     e = gpt3.n_embd
     params = 12 * e * e + 13 * e
-    assert launch.eager_peer_bytes(gpt3) == 4 * params + 16 * 4 * e * e
+    assert launch.eager_peer_bytes(gpt3) == 4 * params + 24 * 4 * e * e
     with_eager = launch.shared_gpu_bytes(gpt3, Layout(1, 8))
     fp32 = launch.shared_gpu_bytes(preset("gpt3", dtype="fp32"), Layout(1, 8))
     monkeypatch.setattr(launch, "eager_peer_bytes", lambda cfg: 0)
-    assert with_eager - launch.shared_gpu_bytes(gpt3, Layout(1, 8)) == 4 * params + 16 * 4 * e * e
+    assert with_eager - launch.shared_gpu_bytes(gpt3, Layout(1, 8)) == 4 * params + 24 * 4 * e * e
     assert launch.shared_gpu_bytes(preset("gpt3", dtype="fp32"), Layout(1, 8)) == fp32   # fp32 runs no eager peer
 
 

@@ -179,7 +179,8 @@ def kernel_summary(kernels: list[tuple], calls: int, median_ms: float, top: int 
     timed median. The GPU is idle for the rest (launches, host work, waits): a
     launch-bound call has much of it. With starts, the idle GPU time before each
     activity (after the one that ended last) is added up by its name: where
-    the GPU waits ("idle_before_ms_per_call", the largest three)."""
+    the GPU waits ("idle_before_ms_per_call", the largest three; the wait
+    before the very first activity profiled is not seen)."""
     per_name: dict[str, float] = {}
     for name, us, *_ in kernels:
         per_name[name] = per_name.get(name, 0.0) + us

@@ -198,11 +198,12 @@ def shared_gpu_bytes(cfg, layout: Layout) -> int:
 
 def eager_peer_bytes(cfg) -> int:
     """What rank 0's eager bf16 run beside the reference adds (check.eager_errors):
-    its weights and gradients in bf16, and a float64 copy of the largest
-    gradient and of its reference while their error is taken."""
+    its weights and gradients in bf16, and while the largest gradient's error
+    is taken (check.rel_l2) three float64 tensors of its size: it, its
+    reference and their difference."""
     from tpfuser.reference import param_shapes
     sizes = [math.prod(s) for s in param_shapes(cfg).values()]
-    return 4 * sum(sizes) + 16 * max(sizes)
+    return 4 * sum(sizes) + 24 * max(sizes)
 
 
 def check_shared_gpu_fits(cfg, layout: Layout, free_bytes: int) -> None:

@@ -138,7 +138,8 @@ def format_checks(report: dict, only_last: bool = False) -> str:
             lines.append(f"{head} {_fmt(fwd['rel_err']):>8} {_fmt(fwd['tolerance']):>7} {_fmt(fwd['branch_rel_err']):>8} "
                          f"{_fmt(fwd.get('wrong_stream_branch_rel_err')):>12} "
                          f"{_fmt(bwd and bwd['worst']):>10} {_fmt(bwd and bwd['tolerance']):>7} {masks:>6} {colls:>11}  "
-                         + ("ok" if r["ok"] else "FAIL"))
+                         + ("ok" if r["ok"] else "FAIL")
+                         + (f" (over their bounds: {', '.join(bwd['over_bound'])})" if bwd and bwd.get("over_bound") else ""))
     lines.append("collectives: posted/planned per fusion (forward, training forward, backward); ! = differs from the plan")
     if not only_last or report.get("complete", True):
         lines.append("all ranks within tolerance" if report["ok"] else "SOME RANK FAILED")
