@@ -168,3 +168,11 @@ def test_cublas_workspaces_are_dropped_after_the_warm_up_and_after_each_capture(
     calls.clear()
     graphed_callable(lambda: calls.append("body"))()
     assert calls == ["body"] * 3 + ["clear", "empty_cache", "capture", "body", "captured", "clear", "replay"]
+
+    # bench's memory measure: cuBLAS's workspaces cleared and the cache emptied before the steps
+    from tpfuser.bench import _warm_then_memory
+    for name in ("reset_peak_memory_stats", "memory_allocated", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: 0)
+    calls.clear()
+    assert _warm_then_memory(lambda: calls.append("step")) == {"peak_mib_above_baseline": 0.0, "reserved_mib": 0.0}
+    assert calls == ["clear", "empty_cache"] + ["step"] * 4

@@ -436,9 +436,9 @@ def _warm_then_memory(step) -> dict[str, float]:
     cleared first, so each implementation pays for its own (torch.compile's
     reduce-overhead clears them around its capture); NCCL's buffers are outside
     the allocator and not counted."""
+    from tpfuser.graphs import clear_cublas_workspaces
     torch.cuda.synchronize()
-    if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
-        torch._C._cuda_clearCublasWorkspaces()
+    clear_cublas_workspaces()
     torch.cuda.empty_cache()
     reserved = torch.cuda.memory_reserved()
     for _ in range(3):

@@ -416,7 +416,12 @@ class BackwardFusion:
         # nvFuser's resize scheduler fails on the q, k, v concatenation of a
         # sharded backward (upstream issue 4890); its own test turns it off too.
         return self.fd.execute(inputs, _disable_options=["resize_scheduler"] if self.meshed else [],
-                               **({"_enable_options": list(enable)} if enable else {}))
+                               **enable_options(enable))
+
+
+def enable_options(enable: tuple[str, ...]) -> dict:
+    """fd.execute's keyword turning nvFuser options on; none asked: no keyword."""
+    return {"_enable_options": list(enable)} if enable else {}
 
 
 def _gelu_tanh_grad(fd, x):

@@ -17,7 +17,7 @@ import torch
 
 from tpfuser.config import BlockConfig, Layout
 from tpfuser.dropout import STREAMS, flash_seed, stream_key
-from tpfuser.fusion import MASK_STARTS, build_backward, build_forward, rng_input_names, saved_names
+from tpfuser.fusion import MASK_STARTS, build_backward, build_forward, enable_options, rng_input_names, saved_names
 from tpfuser.plan import PARAM_PLACEMENTS, local_shape, placements
 from tpfuser.reference import PARAM_NAMES, param_shapes
 from tpfuser.shard import local_slice, slice_starts
@@ -108,7 +108,7 @@ class ShardedBlock:
         if isinstance(enable, str):
             raise ValueError(f"enable={enable!r}: a tuple of nvFuser option names, e.g. ({enable!r},)")
         self.enable = tuple(enable)
-        self._options = {"_enable_options": list(self.enable)} if self.enable else {}
+        self._options = enable_options(self.enable)   # the forward's execute keywords, made once
         self.split_unit_axes = split_unit_axes
         self._keys = None   # the keys' CUDA tensor (keys_on_device), made at first use
         self._eval_cfg = cfg.replace(dropout=0.0) if cfg.dropout > 0 else cfg   # mode_cfg(False), made once
