@@ -222,3 +222,28 @@ def test_check_compares_every_output_and_times_every_phase(monkeypatch, perturb)
     else:   # one gradient 1% off: named, and the rank fails
         assert not report.ok and report.backward["worst_tensor"] == perturb
         assert report.backward["worst"] == pytest.approx(0.01, rel=1e-6)
+
+
+@pytest.mark.parametrize("flag, expected", [([], True), (["--no-unit-splits"], False)])
+def test_no_unit_splits_reaches_the_check(monkeypatch, flag, expected):
+    """`tpfuser check --no-unit-splits` reaches check() as split_unit_axes=False
+    (which hands it to both ShardedBlocks it builds; run on a GPU by
+    tests/test_gpu.py); without the flag, True."""
+    import tpfuser.check
+    from tpfuser import cli, meshcheck
+    seen = {}
+
+    def fake_check(case, rank, **options):
+        seen.update(options)
+        raise RuntimeError("no GPU here")
+
+    def cmd_check(args):
+        cfgs, layout = cli._check_cfgs(args)
+        return meshcheck._check_case(cfgs[0], layout, 0, args, None)
+
+    monkeypatch.setattr(tpfuser.check, "check", fake_check)
+    monkeypatch.setattr(cli, "preflight", lambda args: None)
+    monkeypatch.setattr(cli, "cmd_check", cmd_check)
+    report = cli.main(["check", "--preset", "tiny", "--dtype", "fp32", *flag])
+    assert "no GPU here" in report["error"]
+    assert seen["split_unit_axes"] is expected

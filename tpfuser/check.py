@@ -298,7 +298,7 @@ def _mask_mismatches(tensors: dict[str, torch.Tensor], expected: dict[str, torch
 
 def check(case: Case, rank: int = 0, backward: bool = True, mesh: bool = True, dp_group=None,
           record_collectives: bool = False, preset_name: str = "", graphs: bool = False,
-          device: torch.device | None = None) -> RankReport:
+          device: torch.device | None = None, split_unit_axes: bool = True) -> RankReport:
     """Run this rank's fusions on its slices and compare with the reference's.
 
     The forward is the checking fusion (its masks as outputs); with `backward`,
@@ -308,7 +308,9 @@ def check(case: Case, rank: int = 0, backward: bool = True, mesh: bool = True, d
     started) and compare it with the plan. graphs: also replay the forward (and
     the training step) from CUDA graphs (graphs.py) and compare them with the
     called block bit for bit. Needs torch.distributed initialized when the
-    mesh has several ranks. device: the current CUDA device unless given."""
+    mesh has several ranks. device: the current CUDA device unless given.
+    split_unit_axes=False: the block's fusions without splits over a mesh axis
+    of one device (fusion.schedule), the graphed ones too."""
     cfg, layout = case.cfg, case.layout
     device = device or torch.device("cuda", torch.cuda.current_device())
     clock = [time.perf_counter()]
@@ -323,7 +325,8 @@ def check(case: Case, rank: int = 0, backward: bool = True, mesh: bool = True, d
     exp = expectations(case, rank, device, backward)
     eager = {name.removeprefix("eager."): float(t) for name, t in exp.items() if name.startswith("eager.")}
     lap("reference")
-    block = ShardedBlock(cfg, layout, rank, check=True, device=device, mesh=mesh, dp_group=dp_group)
+    block = ShardedBlock(cfg, layout, rank, check=True, device=device, mesh=mesh, dp_group=dp_group,
+                         split_unit_axes=split_unit_axes)
     block.load_shards([exp[f"param.{n}"] for n in PARAM_NAMES])
     x, grad_out = exp["x"].to(cfg.torch_dtype), exp["grad_out"].to(cfg.torch_dtype)
     masks = rank_masks(case, rank, device)
@@ -361,7 +364,7 @@ def check(case: Case, rank: int = 0, backward: bool = True, mesh: bool = True, d
         if eager:
             report.backward["eager_errors"] = {n: eager[n if n == "out" else f"grad.{n}"] for n in errors}
     if graphs:
-        report.graphs = graph_equality(case, rank, exp, outs, backward, dp_group, mesh)
+        report.graphs = graph_equality(case, rank, exp, outs, backward, dp_group, mesh, split_unit_axes)
         lap("graphs")
     if record_collectives:
         report.collectives = compare_with_plan(posted, cfg, layout, rank)
@@ -379,7 +382,7 @@ def compare_with_plan(posted: dict[str, list[dict]], cfg: BlockConfig, layout: L
 
 
 def graph_equality(case: Case, rank: int, exp: dict, host_outs: dict, backward: bool, dp_group,
-                   mesh: bool) -> dict[str, bool]:
+                   mesh: bool, split_unit_axes: bool = True) -> dict[str, bool]:
     """Replays from CUDA graphs against a called block with the same device keys,
     bit for bit, at the case's (seed, offset); with dropout, the next offset's
     replay must draw new masks, and the device keys the host keys' masks."""
@@ -391,7 +394,7 @@ def graph_equality(case: Case, rank: int, exp: dict, host_outs: dict, backward: 
 
     # One block, called and graphed: its fusions compile once (compile time bounds the mesh checks).
     called = ShardedBlock(cfg, layout, rank, check=True, mesh=mesh, dp_group=dp_group,
-                          keys_on_device=True).load_shards(shards)
+                          keys_on_device=True, split_unit_axes=split_unit_axes).load_shards(shards)
     outs = {k: v.clone() for k, v in called(x, seed, offset).items()}
     result = {}
     masks = [n for n in outs if n != "out"]
