@@ -247,3 +247,46 @@ def test_no_unit_splits_reaches_the_check(monkeypatch, flag, expected):
     report = cli.main(["check", "--preset", "tiny", "--dtype", "fp32", *flag])
     assert "no GPU here" in report["error"]
     assert seen["split_unit_axes"] is expected
+
+
+def test_check_hands_split_unit_axes_to_both_its_blocks(monkeypatch):
+    """check() builds its block, and graph_equality its called-and-graphed one,
+    with the split_unit_axes it was given."""
+    import tpfuser.check as check_mod
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_block(*args, **options):
+        seen.append(options.get("split_unit_axes"))
+        raise Stop
+
+    class Anything(dict):
+        def __missing__(self, key):
+            return torch.zeros(1)
+
+    monkeypatch.setattr(check_mod, "ShardedBlock", fake_block)
+    monkeypatch.setattr(check_mod, "expectations", lambda *args: {})
+    case = Case(preset("tiny", dtype="fp32", dropout=0.1))
+    with pytest.raises(Stop):
+        check_mod.check(case, device=torch.device("cpu"), split_unit_axes=False)
+    with pytest.raises(Stop):
+        check_mod.graph_equality(case, 0, Anything(), {}, False, None, True, split_unit_axes=False)
+    with pytest.raises(Stop):
+        check_mod.check(case, device=torch.device("cpu"))
+    assert seen == [False, False, True]
+
+
+def test_no_collectives_planned_over_a_team_of_one_without_unit_splits():
+    """Without the unit-axis splits, nvFuser posts nothing over tp == 1, and the
+    plan it is compared with says so; with tp > 1 the plan is unchanged."""
+    from tpfuser.check import compare_with_plan
+    cfg = preset("tiny", dtype="fp32", dropout=0.1)
+    nothing = {"forward": [], "training forward": [], "backward": []}
+    for sp in (False, True):
+        layout = Layout(2, 1, sp)
+        assert all(r["matches"] for r in compare_with_plan(nothing, cfg, layout, 1, split_unit_axes=False).values())
+        assert not any(r["matches"] for r in compare_with_plan(nothing, cfg, layout, 1).values())
+    assert not any(r["matches"] for r in compare_with_plan(nothing, cfg, Layout(1, 2), 0,
+                                                           split_unit_axes=False).values())

@@ -92,15 +92,17 @@ def test_flash_streams_differ_between_tp_ranks():
     assert not torch.equal(attend(0), attend(1))
 
 
+@pytest.mark.parametrize("split_unit_axes", [False, True], ids=["unsplit", "split"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_block_without_unit_axis_splits_matches_reference(dtype, record):
+def test_block_with_and_without_unit_axis_splits_matches_reference(dtype, split_unit_axes, record):
     """split_unit_axes=False (no collective over a team of one; the bench's
     *-unsplit, 0.86x compile-reduce-overhead graphed in run 26) passes the
     default's checks at 1x1: forward and gradients within bounds, masks bit
-    for bit, graph replays equal to the called block."""
+    for bit, graph replays equal to the called block. The default (split)
+    beside it, in the same process, is the control."""
     from tpfuser.check import Case, check
     result = check(Case(preset("tiny", dtype=dtype, dropout=0.1), Layout(1, 1)), preset_name="tiny",
-                   graphs=True, split_unit_axes=False)
+                   graphs=True, split_unit_axes=split_unit_axes)
     record(**result.as_dict())
     fwd, bwd = result.forward, result.backward
     assert fwd["rel_err"] <= fwd["tolerance"] and not bwd["over_bound"], result.as_dict()

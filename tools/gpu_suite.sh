@@ -17,8 +17,9 @@
 #           ranks sharing the GPU (correctness and the communications posted; not speed); bound OVERLAP_S
 #   onehead the one-head-per-rank probe (tools/repro_one_head.py, every form) at tp 2 with 2 and 4
 #           heads and at tp 8 with 8, side by side, ranks sharing the GPU; bound ONEHEAD_S
-#   replay  tools/replay_probe.py: bf16 train-step replays against the called block after each suspect
-#           work in the process (run 27's two failing graph tests); bound REPLAY_S
+#   replay  tools/replay_probe.py: bf16 train-step replays against the called block before and after
+#           each suspect (REPLAY_SUSPECTS), each in its own process, side by side (run 27's two
+#           failing graph tests); bound REPLAY_S
 #   graphs  CUDA graphs: tests/test_gpu_graphs.py at 1x1, and `check --graphs` at 1x2 and 2x2
 #           (replays against the called block, bit for bit), side by side; bound GRAPHS_S
 # SUITE_S: no step starts after this many seconds. At most 8 files come back from
@@ -122,8 +123,13 @@ step_onehead() {
   grep -h "^rank 0:" "$OUT"/onehead_*.txt | cut -c1-400
 }
 step_replay() {
-  echo "== bf16 train-step replays against the called block, fresh and after each suspect (tools/replay_probe.py)"
-  T ${REPLAY_S:-240} -- python3 tools/replay_probe.py 2>&1 | tee "$OUT/replay.log" | grep -E "^\[|^replay_probe" | cut -c1-220
+  echo "== bf16 train-step replays against the called block, before and after each suspect, each in its own process"
+  local suspects=${REPLAY_SUSPECTS:-nothing check_forward reference reference_without_eager called_block manual_seed}
+  for suspect in $suspects; do
+    T ${REPLAY_S:-480} -- python3 tools/replay_probe.py $suspect > "$OUT/replay_$suspect.txt" 2>&1 &
+  done
+  wait
+  for suspect in $suspects; do grep -h -E "^replay_probe|Error" "$OUT/replay_$suspect.txt" | tail -2 | cut -c1-300; done
 }
 step_gpt3() {
   echo "== benchmark: gpt3 forward at 1x1 (fewer samples: ~11 ms a call)"

@@ -367,15 +367,20 @@ def check(case: Case, rank: int = 0, backward: bool = True, mesh: bool = True, d
         report.graphs = graph_equality(case, rank, exp, outs, backward, dp_group, mesh, split_unit_axes)
         lap("graphs")
     if record_collectives:
-        report.collectives = compare_with_plan(posted, cfg, layout, rank)
+        report.collectives = compare_with_plan(posted, cfg, layout, rank, split_unit_axes)
     return report
 
 
-def compare_with_plan(posted: dict[str, list[dict]], cfg: BlockConfig, layout: Layout, rank: int) -> dict:
+def compare_with_plan(posted: dict[str, list[dict]], cfg: BlockConfig, layout: Layout, rank: int,
+                      split_unit_axes: bool = True) -> dict:
     """Each phase's posted collectives (forward, training forward, backward)
-    against the plan's over tp, on the rank's tp row (commlog.compare_collectives)."""
+    against the plan's over tp, on the rank's tp row (commlog.compare_collectives).
+    Without the splits over a mesh axis of one device (split_unit_axes=False),
+    tp == 1 plans none: nvFuser then posts nothing over that team of one."""
     planned = {"forward": collectives(cfg, layout), "training forward": collectives(cfg, layout),
                "backward": [c for c in backward_collectives(cfg, layout) if c.axis != DP]}
+    if layout.tp == 1 and not split_unit_axes:
+        planned = {phase: [] for phase in planned}
     dp_rank, _ = layout.rank_coords(rank)
     team = [dp_rank * layout.tp + t for t in range(layout.tp)]
     return {phase: compare_collectives(posted[phase], planned[phase], team) for phase in posted}

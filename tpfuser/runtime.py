@@ -93,7 +93,7 @@ class ShardedBlock:
         with the pointwise work around them fused in, instead of ATen's.
         split_unit_axes=False: no split over a mesh axis of one device
         (fusion.schedule), so that nvFuser posts no collective over a team of
-        one; an experiment, not yet run by the checks.
+        one (`tpfuser check --no-unit-splits` checks it; not yet run on a GPU).
         On its own (no launcher) the process describes a world of one to nvFuser
         first (world.describe_single_process): before its first fusion runs."""
         describe_single_process()
