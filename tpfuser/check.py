@@ -356,13 +356,14 @@ def check(case: Case, rank: int = 0, backward: bool = True, mesh: bool = True, d
         errors = {"out": rel_l2(named["out"], exp["out"]), "x": rel_l2(grad_x, exp["grad_x"])}
         errors |= {n: rel_l2(g, exp[f"grad.{n}"]) for n, g in zip(PARAM_NAMES, grads)}
         # each tensor its own bound (bf16: from its own eager error); the worst is the largest error
-        tolerances = {n: tolerance(cfg.dtype, "grad", eager.get(n if n == "out" else f"grad.{n}")) for n in errors}
+        eager_names = {n: n if n == "out" else f"grad.{n}" for n in errors}   # eager_errors' names
+        tolerances = {n: tolerance(cfg.dtype, "grad", eager.get(eager_names[n])) for n in errors}
         worst = max(errors, key=errors.get)
         report.backward = {"errors": errors, "tolerances": tolerances, "worst": errors[worst], "worst_tensor": worst,
                            "tolerance": tolerances[worst], "over_bound": [n for n in errors if errors[n] > tolerances[n]],
                            "mask_mismatches": _mask_mismatches(dict(zip(saved_names(cfg), saved)), masks)}
         if eager:
-            report.backward["eager_errors"] = {n: eager[n if n == "out" else f"grad.{n}"] for n in errors}
+            report.backward["eager_errors"] = {n: eager[eager_names[n]] for n in errors}
     if graphs:
         report.graphs = graph_equality(case, rank, exp, outs, backward, dp_group, mesh, split_unit_axes)
         lap("graphs")
