@@ -91,3 +91,17 @@ def test_a_job_cut_before_all_its_dtypes_ran_fails():
     assert summary["cases"]["fp32"]["seconds"] == {}        # reports before this session carry no times
     assert not summary["ok"]
     assert "tiny_2x4_sp        bf16  not run" in mesh_suite.format_summary({"tiny_2x4_sp": {**summary, "seconds": 476}})
+
+
+def test_jobs_are_picked_by_group_name_and_dtype():
+    assert [mesh_suite.job_name(*j[:4]) for j in mesh_suite.pick_jobs(["nanogpt"])] == ["nanogpt_1x5", "nanogpt_2x1"]
+    (job,) = mesh_suite.pick_jobs(["tiny_2x4_sp:bf16"])
+    assert job == ("tiny", 2, 4, True, ["bf16"])
+    assert mesh_suite.pick_jobs(["tiny_2x4_sp"])[0][4] == ["fp32", "bf16"]
+    for bad in ("tiny:bf16", "gpt3_1x8:fp32", "tiny_9x9"):
+        try:
+            mesh_suite.pick_jobs([bad])
+        except SystemExit as e:
+            assert bad.partition(":")[0] in str(e)
+        else:
+            raise AssertionError(f"{bad} was accepted")

@@ -4,6 +4,7 @@ backward, each case's ranks against slices of the one reference, with the
 collectives nvFuser posted compared with the plan's.
 
     python3 tools/mesh_suite.py OUT_DIR [GROUP ...]     (groups: tiny nanogpt gpt3, or job names; default all)
+                                                        (a job name with :DTYPE runs that dtype only: tiny_2x4_sp:bf16)
     python3 tools/mesh_suite.py --table DIR [DIR ...]   the Markdown table of the reports there (README)
 
 Writes OUT_DIR/<preset>_<dp>x<tp>[_sp].json (tpfuser check --json) and .log per
@@ -45,16 +46,29 @@ def job_name(name, dp, tp, sp) -> str:
     return f"{name}_{dp}x{tp}{'_sp' if sp else ''}"
 
 
+def pick_jobs(groups: list[str]) -> list[tuple]:
+    """The jobs named, in the order named, a group's widest first; `job:dtype`
+    keeps that one of the job's dtypes."""
+    todo = []
+    for want in groups:
+        want, _, dtype = want.partition(":")
+        jobs = JOBS.get(want) or [j for jobs in JOBS.values() for j in jobs if job_name(*j[:4]) == want]
+        if not jobs:
+            raise SystemExit(f"{want!r}: neither a group ({', '.join(JOBS)}) nor a job")
+        if dtype:
+            if len(jobs) > 1 or dtype not in jobs[0][4]:
+                raise SystemExit(f"{want}:{dtype}: a dtype picks one of a single job's "
+                                 f"({'a group has several jobs' if len(jobs) > 1 else ', '.join(jobs[0][4])})")
+            jobs = [(*jobs[0][:4], [dtype])]
+        todo += sorted((j for j in jobs if j not in todo), key=lambda j: -j[1] * j[2])
+    return todo
+
+
 def main(out: str, groups: list[str]) -> int:
     import torch
     os.makedirs(out, exist_ok=True)
     free = torch.cuda.mem_get_info(0)[0] * 0.9
-    todo = []
-    for want in groups:   # in the order named; a group's jobs widest first
-        jobs = JOBS.get(want) or [j for jobs in JOBS.values() for j in jobs if job_name(*j[:4]) == want]
-        if not jobs:
-            raise SystemExit(f"{want!r}: neither a group ({', '.join(JOBS)}) nor a job")
-        todo += sorted((j for j in jobs if j not in todo), key=lambda j: -j[1] * j[2])
+    todo = pick_jobs(groups)
     running, done = [], {}
     start = time.time()
     while todo or running:
