@@ -250,6 +250,7 @@ def test_kernel_summary_by_hand():
     assert s["kernels_per_call"] == 3 and s["kernel_ms_per_call"] == pytest.approx(0.15)
     assert s["idle_ms_per_call"] == pytest.approx(0.25)
     assert s["top_kernels_ms_per_call"] == [["gemm", pytest.approx(0.1)], ["gelu", pytest.approx(0.03)]]
+    assert [(n, c) for n, _, c in s["kernels"]] == [("gemm", 1), ("gelu", 1), ("ln", 1)]   # all, with launches
     assert kernel_summary(kernels, calls=2, median_ms=0.1)["idle_ms_per_call"] == 0.0   # never negative
 
 

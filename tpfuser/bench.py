@@ -182,13 +182,18 @@ def kernel_summary(kernels: list[tuple], calls: int, median_ms: float, top: int 
     the GPU waits ("idle_before_ms_per_call", the largest three; the wait
     before the very first activity profiled is not seen)."""
     per_name: dict[str, float] = {}
+    count: dict[str, int] = {}
     for name, us, *_ in kernels:
         per_name[name] = per_name.get(name, 0.0) + us
+        count[name] = count.get(name, 0) + 1
     busy = sum(k[1] for k in kernels) / calls / 1e3
     ranked = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
     summary = {"kernels_per_call": len(kernels) / calls, "kernel_ms_per_call": busy,
                "idle_ms_per_call": max(0.0, median_ms - busy),
-               "top_kernels_ms_per_call": [[name[:100], us / calls / 1e3] for name, us in ranked]}
+               "top_kernels_ms_per_call": [[name[:100], us / calls / 1e3] for name, us in ranked],
+               # every activity: [name, ms per call, launches per call], the longest first
+               "kernels": [[name[:100], us / calls / 1e3, count[name] / calls]
+                           for name, us in sorted(per_name.items(), key=lambda kv: -kv[1])]}
     if kernels and len(kernels[0]) > 2:
         before: dict[str, float] = {}
         ordered = sorted(kernels, key=lambda k: k[2])
