@@ -249,6 +249,30 @@ def test_no_unit_splits_reaches_the_check(monkeypatch, flag, expected):
     assert seen["split_unit_axes"] is expected
 
 
+def test_a_checked_rank_says_on_stderr_where_it_is(monkeypatch, capsys):
+    """Each rank's case prints its phases as they end, and a failure at once,
+    on stderr: a mesh run that hangs after one rank failed (the others waiting
+    in a collective) shows which rank stopped where (tiny 2x4 SP bf16 ran out
+    its time bound three times without a line)."""
+    import argparse
+
+    import tpfuser.check
+    from tpfuser import meshcheck
+    from tpfuser.config import Layout, preset
+
+    def fake_check(case, rank, progress=None, **options):
+        progress("forward done in 1.0 s")
+        raise RuntimeError("NCCL error: the peer went away")
+
+    monkeypatch.setattr(tpfuser.check, "check", fake_check)
+    args = argparse.Namespace(forward_only=False, collectives=False, preset="tiny")
+    report = meshcheck._check_case(preset("tiny", dtype="bf16"), Layout(2, 4, True), 5, args, None)
+    assert not report["ok"] and "the peer went away" in report["error"]
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[:2] == ["rank 5: bf16: started", "rank 5: bf16: forward done in 1.0 s"]
+    assert lines[2].startswith("rank 5: bf16: failed: ") and "the peer went away" in lines[2]
+
+
 def test_check_hands_split_unit_axes_to_both_its_blocks(monkeypatch):
     """check() builds its block, and graph_equality its called-and-graphed one,
     with the split_unit_axes it was given."""

@@ -25,6 +25,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
@@ -298,7 +299,8 @@ def _mask_mismatches(tensors: dict[str, torch.Tensor], expected: dict[str, torch
 
 def check(case: Case, rank: int = 0, backward: bool = True, mesh: bool = True, dp_group=None,
           record_collectives: bool = False, preset_name: str = "", graphs: bool = False,
-          device: torch.device | None = None, split_unit_axes: bool = True) -> RankReport:
+          device: torch.device | None = None, split_unit_axes: bool = True,
+          progress: Callable[[str], None] | None = None) -> RankReport:
     """Run this rank's fusions on its slices and compare with the reference's.
 
     The forward is the checking fusion (its masks as outputs); with `backward`,
@@ -310,7 +312,8 @@ def check(case: Case, rank: int = 0, backward: bool = True, mesh: bool = True, d
     called block bit for bit. Needs torch.distributed initialized when the
     mesh has several ranks. device: the current CUDA device unless given.
     split_unit_axes=False: the block's fusions without splits over a mesh axis
-    of one device (fusion.schedule), the graphed ones too."""
+    of one device (fusion.schedule), the graphed ones too. progress: told
+    each phase as it ends (a run that hangs then shows where)."""
     cfg, layout = case.cfg, case.layout
     device = device or torch.device("cuda", torch.cuda.current_device())
     clock = [time.perf_counter()]
@@ -320,6 +323,8 @@ def check(case: Case, rank: int = 0, backward: bool = True, mesh: bool = True, d
             torch.cuda.synchronize(device)
         clock.append(time.perf_counter())
         report.seconds[phase] = round(clock[-1] - clock[-2], 2)
+        if progress:
+            progress(f"{phase} done in {report.seconds[phase]:.1f} s")
 
     report = RankReport(preset_name, cfg.dtype, cfg.dropout, f"{layout.dp}x{layout.tp}", layout.sp, rank)
     exp = expectations(case, rank, device, backward)

@@ -58,13 +58,18 @@ def environment(command: str | None = None) -> dict:
 
 def _check_case(cfg: BlockConfig, layout: Layout, rank: int, args, dp_group) -> dict:
     from tpfuser.check import Case, check
+
+    def progress(message: str) -> None:   # on stderr as it happens: a run that hangs shows where each rank is
+        print(f"rank {rank}: {cfg.dtype}: {message}", file=sys.stderr, flush=True)
+    progress("started")
     try:
         report = check(Case(cfg, layout), rank, backward=not args.forward_only, dp_group=dp_group,
                        record_collectives=args.collectives, preset_name=args.preset,
                        graphs=getattr(args, "graphs", False),
-                       split_unit_axes=getattr(args, "split_unit_axes", True))
+                       split_unit_axes=getattr(args, "split_unit_axes", True), progress=progress)
         return report.as_dict()
-    except Exception as e:   # reported, and the next case runs
+    except Exception as e:   # reported (at once: the other ranks may then wait for this one), and the next case runs
+        progress(f"failed: {error_line(e, context=2)}")
         return {"preset": args.preset, "dtype": cfg.dtype, "dropout": cfg.dropout, "rank": rank, "ok": False,
                 "error": error_line(e, context=2), "error_message": error_message(e)}
 
