@@ -197,8 +197,8 @@ def test_each_nvfuser_impl_builds_its_block_with_its_options(monkeypatch):
     for impl, fn in fns.items():
         made[impl] = fn.__defaults__[0].options   # the block each call runs
     assert made["nvfuser"] == {} and made["nvfuser-nomesh"] == {"mesh": False}
-    assert made["nvfuser-unsplit"] == {"split_unit_axes": False}
-    assert made["nvfuser-graph-unsplit"] == {"keys_on_device": True, "split_unit_axes": False}
+    assert made["nvfuser-split"] == {"split_unit_axes": True}
+    assert made["nvfuser-graph-split"] == {"keys_on_device": True, "split_unit_axes": True}
     assert made["nvfuser-graph-fm"] == {"keys_on_device": True, "enable": ("fuse_matmul",)}
 
 

@@ -224,11 +224,11 @@ def test_check_compares_every_output_and_times_every_phase(monkeypatch, perturb)
         assert report.backward["worst"] == pytest.approx(0.01, rel=1e-6)
 
 
-@pytest.mark.parametrize("flag, expected", [([], True), (["--no-unit-splits"], False)])
-def test_no_unit_splits_reaches_the_check(monkeypatch, flag, expected):
-    """`tpfuser check --no-unit-splits` reaches check() as split_unit_axes=False
+@pytest.mark.parametrize("flag, expected", [([], False), (["--unit-splits"], True)])
+def test_unit_splits_flag_reaches_the_check(monkeypatch, flag, expected):
+    """`tpfuser check --unit-splits` reaches check() as split_unit_axes=True
     (which hands it to both ShardedBlocks it builds; run on a GPU by
-    tests/test_gpu.py); without the flag, True."""
+    tests/test_gpu.py); without the flag, False (the default since run 30)."""
     import tpfuser.check
     from tpfuser import cli, meshcheck
     seen = {}
@@ -294,23 +294,23 @@ def test_check_hands_split_unit_axes_to_both_its_blocks(monkeypatch):
     monkeypatch.setattr(check_mod, "expectations", lambda *args: {})
     case = Case(preset("tiny", dtype="fp32", dropout=0.1))
     with pytest.raises(Stop):
-        check_mod.check(case, device=torch.device("cpu"), split_unit_axes=False)
+        check_mod.check(case, device=torch.device("cpu"), split_unit_axes=True)
     with pytest.raises(Stop):
-        check_mod.graph_equality(case, 0, Anything(), {}, False, None, True, split_unit_axes=False)
+        check_mod.graph_equality(case, 0, Anything(), {}, False, None, True, split_unit_axes=True)
     with pytest.raises(Stop):
         check_mod.check(case, device=torch.device("cpu"))
-    assert seen == [False, False, True]
+    assert seen == [True, True, False]
 
 
 def test_no_collectives_planned_over_a_team_of_one_without_unit_splits():
-    """Without the unit-axis splits, nvFuser posts nothing over tp == 1, and the
-    plan it is compared with says so; with tp > 1 the plan is unchanged."""
+    """Without the unit-axis splits (the default), nvFuser posts nothing over
+    tp == 1, and the plan it is compared with says so (run 28 at 2x1: 0/0);
+    with the splits it plans tp's all-reduces; with tp > 1 the plan is unchanged."""
     from tpfuser.check import compare_with_plan
     cfg = preset("tiny", dtype="fp32", dropout=0.1)
     nothing = {"forward": [], "training forward": [], "backward": []}
     for sp in (False, True):
         layout = Layout(2, 1, sp)
-        assert all(r["matches"] for r in compare_with_plan(nothing, cfg, layout, 1, split_unit_axes=False).values())
-        assert not any(r["matches"] for r in compare_with_plan(nothing, cfg, layout, 1).values())
-    assert not any(r["matches"] for r in compare_with_plan(nothing, cfg, Layout(1, 2), 0,
-                                                           split_unit_axes=False).values())
+        assert all(r["matches"] for r in compare_with_plan(nothing, cfg, layout, 1).values())
+        assert not any(r["matches"] for r in compare_with_plan(nothing, cfg, layout, 1, split_unit_axes=True).values())
+    assert not any(r["matches"] for r in compare_with_plan(nothing, cfg, Layout(1, 2), 0).values())

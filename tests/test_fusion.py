@@ -48,11 +48,13 @@ def test_check_mode_outputs_the_masks():
 
 
 def expected_loop(shape, placement, layout):
+    """The loop domain the schedule gives: each placed dimension split over
+    its mesh axis, unless that axis has one device (split_unit_axes=False)."""
     sizes = {"dp": layout.dp, "tp": layout.tp}
     kinds = {"dp": "mesh_y", "tp": "mesh_x"}
     axes = []
     for dim, extent in enumerate(shape):
-        if dim in placement:
+        if dim in placement and sizes[placement[dim]] > 1:
             n = sizes[placement[dim]]
             axes += [(kinds[placement[dim]], n), ("", extent // n)]
         else:
@@ -83,8 +85,8 @@ def test_every_tensorview_is_sharded_as_planned(layout, dtype):
 
 def test_sp_splits_the_sequence_of_the_replicated_region_only():
     ff = build_forward(preset("tiny"), Layout(1, 4, sp=True), check=True)
-    assert loop_sharding(ff.inputs["x"])[1] == [("mesh_y", 1), ("", 4), ("mesh_x", 4), ("", 4), ("", 64)]
-    assert loop_sharding(ff.outputs["resid_mlp_keep"])[1][2] == ("mesh_x", 4)
+    assert loop_sharding(ff.inputs["x"])[1] == [("", 4), ("mesh_x", 4), ("", 4), ("", 64)]   # dp of one: no split
+    assert loop_sharding(ff.outputs["resid_mlp_keep"])[1][1] == ("mesh_x", 4)
     assert loop_sharding(ff.inputs["attn.c_attn.weight"])[1][0] == ("mesh_x", 4)   # unchanged from TP
 
 
@@ -136,16 +138,17 @@ def test_qkv_split_is_checked_where_it_is_set():
 
 
 @pytest.mark.parametrize("dp, tp", [(1, 1), (1, 2), (2, 1)])
-def test_unit_axes_left_unsplit_only_where_asked(dp, tp):
-    """split_unit_axes=False drops the splits over a mesh axis of one device (no
-    collective over a team of one), and only those: the default keeps them."""
+def test_unit_axes_split_only_where_asked(dp, tp):
+    """By default no split over a mesh axis of one device (no collective over a
+    team of one), and only those left out; split_unit_axes=True splits every
+    placement, of one device or more."""
     from tpfuser.fusion import build_backward, build_forward
     cfg, layout = preset("tiny"), Layout(dp, tp)
     for build in (lambda **kw: build_forward(cfg, layout, train=True, **kw),
                   lambda **kw: build_backward(cfg, layout, **kw)):
-        split = build().fd.fusion.print_math()
-        unsplit = build(split_unit_axes=False).fd.fusion.print_math()
-        assert "deviceIdx.x" in split   # the default: every placement split, of one device or more
+        split = build(split_unit_axes=True).fd.fusion.print_math()
+        unsplit = build().fd.fusion.print_math()
+        assert "deviceIdx.x" in split   # every placement split, of one device or more
         assert ("deviceIdx.x" in unsplit) == (tp > 1)
         assert ("deviceIdx.y" in unsplit) == (dp > 1 and "deviceIdx.y" in split)
         assert "DeviceMesh" in unsplit   # still on the mesh

@@ -20,8 +20,6 @@
 #   replay  tools/replay_probe.py: bf16 train-step replays against the called block before and after
 #           each suspect (REPLAY_SUSPECTS), each in its own process, side by side (run 27's two
 #           failing graph tests); bound REPLAY_S
-#   nounit  the unit-axis splits left out (check --no-unit-splits --collectives --graphs): tiny at 2x1
-#           and 1x2 (ranks sharing the GPU) and nanogpt at 1x1, fp32 and bf16, side by side; bound NOUNIT_S
 #   graphs  CUDA graphs: tests/test_gpu_graphs.py at 1x1, and `check --graphs` at 1x2 and 2x2
 #           (replays against the called block, bit for bit), side by side; bound GRAPHS_S
 # SUITE_S: no step starts after this many seconds. At most 8 files come back from
@@ -98,16 +96,6 @@ step_graphs() {
   done
   wait
   cat "$OUT/graphs_tests.txt"; grep -h -E "^(check|dtype|fp32|bf16|all|SOME)" "$OUT"/graphs_1x2.txt "$OUT"/graphs_2x2.txt | cut -c1-220
-}
-step_nounit() {
-  echo "== without the unit-axis splits: check --no-unit-splits --collectives --graphs (tiny 2x1 and 1x2, nanogpt 1x1)"
-  for run in tiny:2x1 tiny:1x2 nanogpt:1x1; do
-    local mesh=${run#*:} name=nounit_${run%:*}_${run#*:}
-    T ${NOUNIT_S:-400} -- python3 -m tpfuser.cli check --preset ${run%:*} --dp ${mesh%x*} --tp ${mesh#*x} \
-      --dtype fp32 bf16 --no-unit-splits --collectives --graphs --share-gpu --json "$OUT/$name.json" > "$OUT/$name.txt" 2>&1 &
-  done
-  wait
-  grep -h -E "^(check|dtype|fp32|bf16|all|SOME|collectives)|Error" "$OUT"/nounit_*.txt | cut -c1-220
 }
 step_overlap() {
   echo "== overlapped linears (issue 17): chunks on streams against the whole linear, ranks sharing the GPU"

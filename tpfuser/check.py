@@ -299,7 +299,7 @@ def _mask_mismatches(tensors: dict[str, torch.Tensor], expected: dict[str, torch
 
 def check(case: Case, rank: int = 0, backward: bool = True, mesh: bool = True, dp_group=None,
           record_collectives: bool = False, preset_name: str = "", graphs: bool = False,
-          device: torch.device | None = None, split_unit_axes: bool = True,
+          device: torch.device | None = None, split_unit_axes: bool = False,
           progress: Callable[[str], None] | None = None) -> RankReport:
     """Run this rank's fusions on its slices and compare with the reference's.
 
@@ -311,8 +311,8 @@ def check(case: Case, rank: int = 0, backward: bool = True, mesh: bool = True, d
     the training step) from CUDA graphs (graphs.py) and compare them with the
     called block bit for bit. Needs torch.distributed initialized when the
     mesh has several ranks. device: the current CUDA device unless given.
-    split_unit_axes=False: the block's fusions without splits over a mesh axis
-    of one device (fusion.schedule), the graphed ones too. progress: told
+    split_unit_axes=True: the block's fusions split over a mesh axis of one
+    device too (fusion.schedule), the graphed ones as well. progress: told
     each phase as it ends (a run that hangs then shows where)."""
     cfg, layout = case.cfg, case.layout
     device = device or torch.device("cuda", torch.cuda.current_device())
@@ -378,11 +378,11 @@ def check(case: Case, rank: int = 0, backward: bool = True, mesh: bool = True, d
 
 
 def compare_with_plan(posted: dict[str, list[dict]], cfg: BlockConfig, layout: Layout, rank: int,
-                      split_unit_axes: bool = True) -> dict:
+                      split_unit_axes: bool = False) -> dict:
     """Each phase's posted collectives (forward, training forward, backward)
     against the plan's over tp, on the rank's tp row (commlog.compare_collectives).
-    Without the splits over a mesh axis of one device (split_unit_axes=False),
-    tp == 1 plans none: nvFuser then posts nothing over that team of one."""
+    Without the splits over a mesh axis of one device (the default), tp == 1
+    plans none: nvFuser then posts nothing over that team of one."""
     planned = {"forward": collectives(cfg, layout), "training forward": collectives(cfg, layout),
                "backward": [c for c in backward_collectives(cfg, layout) if c.axis != DP]}
     if layout.tp == 1 and not split_unit_axes:
@@ -393,7 +393,7 @@ def compare_with_plan(posted: dict[str, list[dict]], cfg: BlockConfig, layout: L
 
 
 def graph_equality(case: Case, rank: int, exp: dict, host_outs: dict, backward: bool, dp_group,
-                   mesh: bool, split_unit_axes: bool = True) -> dict[str, bool]:
+                   mesh: bool, split_unit_axes: bool = False) -> dict[str, bool]:
     """Replays from CUDA graphs against a called block with the same device keys,
     bit for bit, at the case's (seed, offset); with dropout, the next offset's
     replay must draw new masks, and the device keys the host keys' masks."""

@@ -173,7 +173,7 @@ def cmd_main(args) -> int:
     if _cuda_count() > 0:
         args.dtype = list(dtypes)
         args.forward_only, args.collectives, args.share_gpu, args.json = False, False, False, None
-        args.graphs, args.split_unit_axes = False, True
+        args.graphs, args.split_unit_axes = False, False
         return cmd_check(args)
     from tpfuser.fusion import build_forward
     from tpfuser.report import format_plan, plan_report
@@ -217,9 +217,9 @@ def main(argv=None) -> int:
             p.add_argument("--graphs", action="store_true",
                            help="also replay the forward and the training step from CUDA graphs and compare "
                                 "them with the called block, bit for bit")
-            p.add_argument("--no-unit-splits", dest="split_unit_axes", action="store_false",
-                           help="leave out the splits over a mesh axis of one device, so that nvFuser posts no "
-                                "collective over a team of one (fusion.schedule's split_unit_axes=False)")
+            p.add_argument("--unit-splits", dest="split_unit_axes", action="store_true",
+                           help="also split over a mesh axis of one device, where nvFuser then posts collectives "
+                                "over a team of one (fusion.schedule's split_unit_axes=True; the default until run 30)")
             p.add_argument("--json", default=None, help="also write every rank's results here (rank 0 writes)")
         p.set_defaults(fn=fn)
     from tpfuser import bench

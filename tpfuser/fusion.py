@@ -327,7 +327,7 @@ def make_mesh(layout: Layout, row: int | None = None):
     return nvf.multidevice.DeviceMesh(torch.arange(layout.world_size).reshape(layout.dp, layout.tp))
 
 
-def _apply_placement(tv, placement, layout, split_unit_axes: bool = True):
+def _apply_placement(tv, placement, layout, split_unit_axes: bool = False):
     sizes = axis_sizes(layout)
     # Split the highest dimension first so that lower indices stay valid.
     for dim in sorted(placement, reverse=True):
@@ -337,16 +337,17 @@ def _apply_placement(tv, placement, layout, split_unit_axes: bool = True):
         tv.axis(dim).parallelize(_MESH_AXIS[placement[dim]])
 
 
-def schedule(ff, layout: Layout, row: int | None = None, split_unit_axes: bool = True) -> None:
+def schedule(ff, layout: Layout, row: int | None = None, split_unit_axes: bool = False) -> None:
     """Put every input (and output, and the backward's planned intermediates) on the
     dp x tp mesh and split it as plan.placements(layout) says.
 
     With `row`, on that dp rank's tp devices alone (a 1-D mesh), the dp splits left out.
-    split_unit_axes=False leaves out the splits over a mesh axis of one device
-    too: the tensor is the same, but nvFuser 0.2.36 then posts no collective
-    over a team of one (at 1x1 it posts the row-parallel all-reduces through
-    NCCL otherwise: NOTES-history.md). An experiment (bench's *-unsplit): every
-    mesh check so far ran with the splits.
+    A mesh axis of one device is not split over (split_unit_axes=True splits
+    over it too): the tensor is the same, but nvFuser 0.2.36 posts no
+    collective over a team of one then, where with the splits it posts the
+    row-parallel all-reduces through NCCL even at 1x1 (NOTES.md, runs 26-30:
+    20 kernels a forward against 18, and bf16 graph replays that can differ
+    from the call). split_unit_axes=True was the default until run 30.
     Must run inside the `with FusionDefinition()` block, after define_forward or define_backward.
     """
     mesh = make_mesh(layout, row)
@@ -364,7 +365,7 @@ def schedule(ff, layout: Layout, row: int | None = None, split_unit_axes: bool =
 
 
 def build_forward(cfg: BlockConfig, layout: Layout | None = None, check: bool = False,
-                  train: bool = False, keys_on_device: bool = False, split_unit_axes: bool = True) -> ForwardFusion:
+                  train: bool = False, keys_on_device: bool = False, split_unit_axes: bool = False) -> ForwardFusion:
     """Define the forward and, when a layout is given, shard it on its mesh (schedule)."""
     with FusionDefinition() as fd:
         ff = define_forward(fd, cfg, check, train, keys_on_device)
@@ -588,7 +589,7 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None) -> Bac
 
 
 def build_backward(cfg: BlockConfig, layout: Layout | None = None, outputs=None, dp_rank: int = 0,
-                   split_unit_axes: bool = True) -> BackwardFusion:
+                   split_unit_axes: bool = False) -> BackwardFusion:
     """Define the backward and, when a layout is given, shard it on its mesh.
 
     The backward of dp rank `dp_rank` runs on that rank's tp devices alone, on

@@ -66,7 +66,7 @@ def _check_case(cfg: BlockConfig, layout: Layout, rank: int, args, dp_group) -> 
         report = check(Case(cfg, layout), rank, backward=not args.forward_only, dp_group=dp_group,
                        record_collectives=args.collectives, preset_name=args.preset,
                        graphs=getattr(args, "graphs", False),
-                       split_unit_axes=getattr(args, "split_unit_axes", True), progress=progress)
+                       split_unit_axes=getattr(args, "split_unit_axes", False), progress=progress)
         return report.as_dict()
     except Exception as e:   # reported (at once: the other ranks may then wait for this one), and the next case runs
         progress(f"failed: {error_line(e, context=2)}")
@@ -89,7 +89,7 @@ def run_checks(cfgs: list[BlockConfig], layout: Layout, args) -> int:
         group = dp_group(layout, rank) if layout.dp > 1 else None
     report = {"environment": environment() if rank == 0 else None, "preset": args.preset,
               "mesh": f"{layout.dp}x{layout.tp}", "sp": layout.sp, "config": [cfg.__dict__ for cfg in cfgs],
-              "split_unit_axes": getattr(args, "split_unit_axes", True),
+              "split_unit_axes": getattr(args, "split_unit_axes", False),
               "cases": [], "ok": False}
     for cfg in cfgs:
         mine = _check_case(cfg, layout, rank, args, group)
@@ -125,7 +125,7 @@ def format_checks(report: dict, only_last: bool = False) -> str:
     lines = [f"check {report['preset']} mesh {report['mesh']}{' +sp' if report['sp'] else ''} on {env['gpu']}"
              + (f" ({env['gpus_shared']} GPU shared by all ranks: timings here are not speed figures)"
                 if env["gpus_shared"] else "")
-             + ("; no splits over a mesh axis of one device" if report.get("split_unit_axes") is False else ""),
+             + ("; split over a mesh axis of one device too" if report.get("split_unit_axes") else ""),
              f"{'dtype':5} {'p':>4} {'rank':>4} {'out err':>8} {'tol':>7} {'branch':>8} {'wrong-stream':>12} "
              f"{'grad worst':>10} {'tol':>7} {'masks':>6} {'collectives':>11}  verdict"]
     for case in report["cases"][-1:] if only_last else report["cases"]:

@@ -74,7 +74,7 @@ def format_plan(rep: dict) -> str:
         for c in rep[key]:
             lines.append(f"  {c['kind']} over {c['axis']} {c['where']}: {tuple(c['shape'])}, "
                          f"{_fmt_bytes(c['bytes_per_rank'])}, {_fmt_bytes(c['wire_bytes_per_rank'])} sent per rank"
-                         + ("  (team of one: no traffic)" if c["team"] == 1 else ""))
+                         + ("  (a team of one: not split over, not posted)" if c["team"] == 1 else ""))
     if m["dp"] == 1:
         lines.append("  over dp: none (dp = 1)")
     f = rep["flops_per_rank"]

@@ -78,7 +78,7 @@ class ShardedBlock:
     def __init__(self, cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, check: bool = False,
                  device: Optional[torch.device] = None, mesh: bool = True,
                  dp_group=None, check_finite: bool = False, keys_on_device: bool = False,
-                 enable: tuple[str, ...] = (), split_unit_axes: bool = True):
+                 enable: tuple[str, ...] = (), split_unit_axes: bool = False):
         """mesh=False (1x1 only) builds the fusion without a device mesh: the
         same math, run by nvFuser's single-device executor (see NOTES.md, runs 15-18).
         dp_group: the torch.distributed group of this rank's dp replicas (world.dp_group),
@@ -91,9 +91,9 @@ class ShardedBlock:
         enable: nvFuser options turned on for every call of this block's fusions
         (`_enable_options`), e.g. ("fuse_matmul",): nvFuser's own matmul kernels,
         with the pointwise work around them fused in, instead of ATen's.
-        split_unit_axes=False: no split over a mesh axis of one device
-        (fusion.schedule), so that nvFuser posts no collective over a team of
-        one (`tpfuser check --no-unit-splits` checks it; not yet run on a GPU).
+        split_unit_axes=True: also split over a mesh axis of one device
+        (fusion.schedule), where nvFuser then posts collectives over a team of
+        one (`tpfuser check --unit-splits`); the default leaves those splits out.
         On its own (no launcher) the process describes a world of one to nvFuser
         first (world.describe_single_process): before its first fusion runs."""
         describe_single_process()
@@ -351,7 +351,7 @@ class TPBlock(torch.nn.Module):
 
     def __init__(self, cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, rng_seed: int = 0,
                  device: Optional[torch.device] = None, mesh: bool = True,
-                 dp_group=None, graphs: bool = False, split_unit_axes: bool = True):
+                 dp_group=None, graphs: bool = False, split_unit_axes: bool = False):
         super().__init__()
         self.cfg, self.layout, self.rank = cfg, layout, rank
         self.runner = ShardedBlock(cfg, layout, rank, device=device, mesh=mesh, dp_group=dp_group,
