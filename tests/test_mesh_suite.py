@@ -105,3 +105,15 @@ def test_jobs_are_picked_by_group_name_and_dtype():
             assert bad.partition(":")[0] in str(e)
         else:
             raise AssertionError(f"{bad} was accepted")
+
+
+def test_reports_are_judged_by_the_plan_of_the_fusions_they_ran():
+    """A 2x1 run with the unit-axis splits (run 17: all-reduces over a team of
+    one posted) and one without (run 28: none) both pass, each by its own
+    plan; judged by the other's, each would fail."""
+    with_splits = json.load(open("results/2026-12-03-h200/run17/tiny_2x1_sp.json"))
+    without = json.load(open("results/2026-12-03-h200/run28/nounit_tiny_2x1.json"))
+    assert "split_unit_axes" not in with_splits and without["split_unit_axes"] is False
+    assert mesh_suite.summarize(with_splits)["ok"] and mesh_suite.summarize(without)["ok"]
+    assert not mesh_suite.summarize({**with_splits, "split_unit_axes": False})["ok"]
+    assert not mesh_suite.summarize({**without, "split_unit_axes": True})["ok"]

@@ -126,25 +126,28 @@ def run_name(folder: str) -> str:
     return "/".join(parts[-2:]) if parts[-1] == "mesh" and len(parts) > 1 else parts[-1]
 
 
-def recompared(rank: dict) -> dict | None:
+def recompared(rank: dict, split_unit_axes: bool = True) -> dict | None:
     """The rank's stored posted collectives compared with today's plan (a report
-    written before a plan's fix is judged by the fixed plan, not its own verdict)."""
+    written before a plan's fix is judged by the fixed plan, not its own verdict)
+    for the fusions the report ran: split over a mesh axis of one device or not
+    (its split_unit_axes; reports without the key, before run 28, ran split)."""
     from tpfuser.check import compare_with_plan
     if not rank.get("collectives"):
         return rank.get("collectives")
     dp, tp = map(int, rank["mesh"].split("x"))
     cfg = preset(rank["preset"], dtype=rank["dtype"], dropout=rank["dropout"])
     posted = {phase: c["posted"] for phase, c in rank["collectives"].items()}
-    return compare_with_plan(posted, cfg, Layout(dp, tp, rank["sp"]), rank["rank"])
+    return compare_with_plan(posted, cfg, Layout(dp, tp, rank["sp"]), rank["rank"], split_unit_axes)
 
 
-def passed(rank: dict) -> bool:
+def passed(rank: dict, split_unit_axes: bool = True) -> bool:
     """A rank's verdict under today's rules (check.RankReport.ok) and plan, from its stored figures."""
     from tpfuser.check import RankReport
     if "error" in rank:
         return False
     fields = ("preset", "dtype", "dropout", "mesh", "sp", "rank", "forward", "backward")
-    return RankReport(**{k: rank[k] for k in fields}, collectives=recompared(rank), graphs=rank.get("graphs")).ok
+    return RankReport(**{k: rank[k] for k in fields}, collectives=recompared(rank, split_unit_axes),
+                      graphs=rank.get("graphs")).ok
 
 
 def summarize(report: dict) -> dict:
@@ -152,8 +155,9 @@ def summarize(report: dict) -> dict:
     collectives; `missing`, the dtypes asked for that never ran (a job ended at
     its time bound), which fail the job."""
     ran = {case["dtype"] for case in report["cases"]}
+    unit = report.get("split_unit_axes", True)   # absent: a report from before run 28, which ran split
     missing = [cfg["dtype"] for cfg in report.get("config", []) if cfg["dtype"] not in ran]
-    out = {"ok": not missing and all(passed(r) for case in report["cases"] for r in case["ranks"]),
+    out = {"ok": not missing and all(passed(r, unit) for case in report["cases"] for r in case["ranks"]),
            "environment": report["environment"], "cases": {}, "missing": missing}
     for case in report["cases"]:
         ranks = case["ranks"]
@@ -163,7 +167,7 @@ def summarize(report: dict) -> dict:
             for phase, t in r.get("seconds", {}).items():
                 seconds[phase] = max(seconds.get(phase, t), t)
         out["cases"][case["dtype"]] = {
-            "ranks_ok": sum(passed(r) for r in ranks), "ranks": len(ranks),
+            "ranks_ok": sum(passed(r, unit) for r in ranks), "ranks": len(ranks),
             "worst_out": max((r["forward"]["rel_err"] for r in fine), default=None),
             "worst_grad": max((r["backward"]["worst"] for r in fine if r["backward"]), default=None),
             # how many times the right replay's branch error the wrong streams' is, on the worst rank
@@ -172,7 +176,7 @@ def summarize(report: dict) -> dict:
             "masks_equal": all(not any({**r["forward"]["mask_mismatches"],
                                         **(r["backward"] or {}).get("mask_mismatches", {})}.values()) for r in fine)
                            if fine else None,   # None: no rank got that far
-            "collectives_match": all(all(p["matches"] for p in (recompared(r) or {}).values()) for r in fine)
+            "collectives_match": all(all(p["matches"] for p in (recompared(r, unit) or {}).values()) for r in fine)
                                  if fine else None,
             "errors": sorted({r["error"][:200] for r in ranks if "error" in r}),
             "seconds": seconds,
