@@ -32,7 +32,7 @@ _NV_DTYPE = {torch.bfloat16: DataType.BFloat16, torch.float32: DataType.Float}
 
 # How q, k and v leave qkv, and their gradients return to it: an experiment
 # for one head per rank, which nvFuser 0.2.36 fails in the default form
-# (NOTES.md; tools/repro_one_head.py probes each form on its own).
+# (NOTES-history.md; tools/repro_one_head.py probes each form on its own).
 #   slice   slices of the (b, s, h, 3d) view, each through a kernel (the
 #           multiplication by one); the gradient by cat. Run 9's form: the
 #           default, every mesh but one head per rank checked with it.
@@ -208,7 +208,7 @@ def _split_heads(fd, qkv, cfg):
     written by a kernel and saved for the backward, which then slices nothing
     (QKV_SPLIT says how). The default's multiplication by one was meant to spare
     nvFuser 0.2.36 the strided views it misreads with one head per rank; it does
-    not (nvFuser still makes each slice a view first: run 9, NOTES.md)."""
+    not (nvFuser still makes each slice a view first: run 9, NOTES-history.md)."""
     b, s, h, d = cfg.batch, cfg.seq, cfg.n_head, cfg.head_dim
     dtype = _NV_DTYPE[cfg.torch_dtype]
     if QKV_SPLIT == "slice":

@@ -10,7 +10,7 @@ and replayed.
     model = TPBlock(cfg, layout, rank, graphs=True)       # nn.Module: GraphedTraining under autograd
 
 Called, nvFuser's multi-device path launches each segment and posts each
-collective from the host, 0.3-0.5 ms a call on nanogpt (NOTES.md); a replay
+collective from the host, 0.3-0.5 ms a call on nanogpt (NOTES-history.md); a replay
 launches the captured work at once, the NCCL collectives included. What
 changes from call to call is written into device memory before each replay:
 the inputs (copied into the static ones), the dropout keys (the block writes

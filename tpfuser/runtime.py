@@ -80,7 +80,7 @@ class ShardedBlock:
                  dp_group=None, check_finite: bool = False, keys_on_device: bool = False,
                  enable: tuple[str, ...] = (), split_unit_axes: bool = False):
         """mesh=False (1x1 only) builds the fusion without a device mesh: the
-        same math, run by nvFuser's single-device executor (see NOTES.md, runs 15-18).
+        same math, run by nvFuser's single-device executor (see NOTES-history.md, runs 15-18).
         dp_group: the torch.distributed group of this rank's dp replicas (world.dp_group),
         over which backward sums the parameter gradients; needed when dp > 1.
         check_finite: refuse an input (x, grad_out) holding NaN or inf; off by
