@@ -47,14 +47,14 @@ def test_check_mode_outputs_the_masks():
     assert list(ff.outputs) == ["out", "resid_attn_keep", "resid_mlp_keep"]
 
 
-def expected_loop(shape, placement, layout):
+def expected_loop(shape, placement, layout, split_unit_axes=False):
     """The loop domain the schedule gives: each placed dimension split over
-    its mesh axis, unless that axis has one device (split_unit_axes=False)."""
+    its mesh axis, unless that axis has one device (and not split_unit_axes)."""
     sizes = {"dp": layout.dp, "tp": layout.tp}
     kinds = {"dp": "mesh_y", "tp": "mesh_x"}
     axes = []
     for dim, extent in enumerate(shape):
-        if dim in placement and sizes[placement[dim]] > 1:
+        if dim in placement and (sizes[placement[dim]] > 1 or split_unit_axes):
             n = sizes[placement[dim]]
             axes += [(kinds[placement[dim]], n), ("", extent // n)]
         else:
@@ -67,11 +67,12 @@ def mesh_text(layout):
     return "DeviceMesh{" + "".join("{" + r + "}" for r in rows) + "}"
 
 
+@pytest.mark.parametrize("split_unit_axes", [False, True], ids=["", "unitsplits"])
 @pytest.mark.parametrize("layout", MESHES, ids=MESH_IDS)
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_every_tensorview_is_sharded_as_planned(layout, dtype):
+def test_every_tensorview_is_sharded_as_planned(layout, dtype, split_unit_axes):
     cfg = preset("tiny", dtype=dtype)
-    ff = build_forward(cfg, layout, check=True)
+    ff = build_forward(cfg, layout, check=True, split_unit_axes=split_unit_axes)
     named = {**ff.inputs, **ff.outputs}
     assert set(named) <= set(placements(Layout()))
     from tpfuser.report import activation_shapes
@@ -80,7 +81,7 @@ def test_every_tensorview_is_sharded_as_planned(layout, dtype):
     for name, tv in named.items():
         mesh, axes = loop_sharding(tv)
         assert mesh == mesh_text(layout), name
-        assert axes == expected_loop(shapes[name], placements(layout)[name], layout), name
+        assert axes == expected_loop(shapes[name], placements(layout)[name], layout, split_unit_axes), name
 
 
 def test_sp_splits_the_sequence_of_the_replicated_region_only():

@@ -21,3 +21,5 @@ def test_the_suite_runs_every_suspect_and_the_control():
 def test_an_unknown_suspect_is_refused_by_name():
     with pytest.raises(SystemExit, match="one of: nothing.*got \\['eager'\\]"):
         replay_probe.main(["eager"])
+    with pytest.raises(SystemExit, match="got \\['nothing', 'nothing'\\]"):
+        replay_probe.main(["nothing", "nothing"])

@@ -19,7 +19,8 @@
 #           heads and at tp 8 with 8, side by side, ranks sharing the GPU; bound ONEHEAD_S
 #   replay  tools/replay_probe.py: bf16 train-step replays against the called block before and after
 #           each suspect (REPLAY_SUSPECTS), each in its own process, side by side (run 27's two
-#           failing graph tests); bound REPLAY_S
+#           failing graph tests, run 30's; the block with the unit-axis splits); bound REPLAY_S,
+#           REPLAY_ARGS=--after-only: no trial before the suspect
 #   graphs  CUDA graphs: tests/test_gpu_graphs.py at 1x1, and `check --graphs` at 1x2 and 2x2
 #           (replays against the called block, bit for bit), side by side; bound GRAPHS_S
 # SUITE_S: no step starts after this many seconds. At most 8 files come back from
@@ -124,9 +125,9 @@ step_onehead() {
 }
 step_replay() {
   echo "== bf16 train-step replays against the called block, before and after each suspect, each in its own process"
-  local suspects=${REPLAY_SUSPECTS:-nothing check_forward reference reference_without_eager called_block manual_seed}
+  local suspects=${REPLAY_SUSPECTS:-nothing check_forward reference reference_without_eager called_block manual_seed unsplit_check}
   for suspect in $suspects; do
-    T ${REPLAY_S:-480} -- python3 tools/replay_probe.py $suspect > "$OUT/replay_$suspect.txt" 2>&1 &
+    T ${REPLAY_S:-480} -- python3 tools/replay_probe.py $suspect ${REPLAY_ARGS:-} > "$OUT/replay_$suspect.txt" 2>&1 &
   done
   wait
   for suspect in $suspects; do grep -h -E "^replay_probe|Error" "$OUT/replay_$suspect.txt" | tail -2 | cut -c1-300; done

@@ -2,16 +2,24 @@
 block after other work ran in its process? Run 27 had two such GPU tests fail
 (tiny, dropout 0.1: most output elements 1-3 bf16 ulps apart at the first
 step), each after a nanogpt bf16 check with dropout in the same pytest process;
-they passed in run 22, where no such check came before them.
+they passed in run 22, where no such check came before them. Run 28 ran this
+probe (then on the default block, with the splits) and nothing reproduced it.
+Run 30: the tiny bf16 check with graphs failed its replays with the unit-axis
+splits, right after the same check without them (test_gpu.py), which passed.
+So the trial's block has the splits (split_unit_axes=True), and suspect
+`unsplit_check` is run 30's predecessor.
 
-    python3 tools/replay_probe.py SUSPECT      (on a GPU; a few minutes; SUSPECTS below)
+    python3 tools/replay_probe.py SUSPECT [--after-only]   (on a GPU; a few minutes; SUSPECTS below)
 
 In a fresh process: the trial (test_train_step_replay_equals_the_called_block's
-steps: a block called, then its train step replayed, at offsets 3 and 4), then
-the suspect, then the trial again on a new block. The last line says whether
-the replay equalled the call before and after, and whether the call after
-equalled the call before (if it did, the replay is what moved). Run each
-suspect in its own process (gpu_suite step `replay` runs them side by side)."""
+steps on a block with the unit-axis splits: a block called, then its train
+step replayed, at offsets 3 and 4), then the suspect, then the trial again on
+a new block; --after-only leaves out the first trial (as in run 30, where the
+split block's first replay came after the suspect). The last line says
+whether the replay equalled the call before and after, and whether the call
+after equalled the call before (if it did, the replay is what moved). Run
+each suspect in its own process (gpu_suite step `replay` runs them side by
+side, REPLAY_ARGS=--after-only passing the flag to each)."""
 
 from __future__ import annotations
 
@@ -47,12 +55,14 @@ SUSPECTS = {
     "reference_without_eager": _reference_without_eager,
     "called_block": _called_nanogpt_block,
     "manual_seed": lambda: torch.cuda.manual_seed(99),   # as test_masks_reproducible_and_offset_sensitive does
+    # run 30's: the tiny bf16 check with graphs, without the unit-axis splits (the default)
+    "unsplit_check": lambda: check_mod.check(check_mod.Case(TINY, Layout(1, 1)), preset_name="tiny", graphs=True),
 }
 
 
 def trial(state: dict) -> tuple[bool, list[torch.Tensor], str]:
     """(replay equals call at both offsets, the calls' outputs, a description of the differences)."""
-    called = ShardedBlock(TINY, keys_on_device=True).load(state)
+    called = ShardedBlock(TINY, keys_on_device=True, split_unit_axes=True).load(state)   # the form that failed
     step = GraphedTrainStep(called)
     x = called.shard_input(make_input(TINY))
     grad_out = torch.randn_like(x)
@@ -72,16 +82,24 @@ def trial(state: dict) -> tuple[bool, list[torch.Tensor], str]:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1 or argv[0] not in SUSPECTS:
-        raise SystemExit(f"usage: replay_probe.py SUSPECT, one of: {', '.join(SUSPECTS)} (got {argv})")
-    name, start = argv[0], time.time()
+    after_only = "--after-only" in argv
+    args = [a for a in argv if a != "--after-only"]
+    if len(args) != 1 or args[0] not in SUSPECTS:
+        raise SystemExit(f"usage: replay_probe.py SUSPECT [--after-only], SUSPECT one of: {', '.join(SUSPECTS)} "
+                         f"(got {argv})")
+    name, start = args[0], time.time()
     state = make_block(TINY).state_dict()
-    before, outs_before, notes = trial(state)
-    print(f"[{time.time() - start:4.0f} s] {name}: before: {notes}", flush=True)
+    before, outs_before = None, None
+    if not after_only:
+        before, outs_before, notes = trial(state)
+        print(f"[{time.time() - start:4.0f} s] {name}: before: {notes}", flush=True)
     SUSPECTS[name]()
     print(f"[{time.time() - start:4.0f} s] {name}: the suspect ran", flush=True)
     after, outs_after, notes = trial(state)
     print(f"[{time.time() - start:4.0f} s] {name}: after: {notes}", flush=True)
+    if after_only:
+        print(f"replay_probe {name}: replay equals call after it {after} (no trial before)")
+        return 0 if after else 1
     call_moved = not all(torch.equal(a, b) for a, b in zip(outs_before, outs_after))
     print(f"replay_probe {name}: replay equals call before {before}, after {after}; "
           f"the call {'moved' if call_moved else 'did not move'}")
