@@ -21,6 +21,8 @@
 #           each suspect (REPLAY_SUSPECTS), each in its own process, side by side (run 27's two
 #           failing graph tests, run 30's; the block with the unit-axis splits); bound REPLAY_S,
 #           REPLAY_ARGS=--after-only: no trial before the suspect
+#   copies  tools/copy_probe.py: which op (and which line of ours) launches each copy kernel of
+#           nanogpt's bf16 training step (run 29: 5, 0.057 ms a step); bound COPIES_S
 #   graphs  CUDA graphs: tests/test_gpu_graphs.py at 1x1, and `check --graphs` at 1x2 and 2x2
 #           (replays against the called block, bit for bit), side by side; bound GRAPHS_S
 # SUITE_S: no step starts after this many seconds. At most 8 files come back from
@@ -131,6 +133,10 @@ step_replay() {
   done
   wait
   for suspect in $suspects; do grep -h -E "^replay_probe|Error" "$OUT/replay_$suspect.txt" | tail -2 | cut -c1-300; done
+}
+step_copies() {
+  echo "== copy kernels of the training step, by the op and our line that launched them"
+  T ${COPIES_S:-240} -- python3 tools/copy_probe.py --preset nanogpt --dtype bf16 2>&1 | tee "$OUT/copies.txt" | grep -v "^\[" | tail -30
 }
 step_gpt3() {
   echo "== benchmark: gpt3 forward at 1x1 (fewer samples: ~11 ms a call)"
