@@ -191,13 +191,12 @@ def kernel_summary(kernels: list[tuple], calls: int, median_ms: float, top: int 
         per_name[name] = per_name.get(name, 0.0) + us
         count[name] = count.get(name, 0) + 1
     busy = sum(k[1] for k in kernels) / calls / 1e3
-    ranked = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1])   # the longest first
     summary = {"kernels_per_call": len(kernels) / calls, "kernel_ms_per_call": busy,
                "idle_ms_per_call": max(0.0, median_ms - busy),
-               "top_kernels_ms_per_call": [[name[:100], us / calls / 1e3] for name, us in ranked],
-               # every activity: [name, ms per call, launches per call], the longest first
-               "kernels": [[name[:100], us / calls / 1e3, count[name] / calls]
-                           for name, us in sorted(per_name.items(), key=lambda kv: -kv[1])]}
+               "top_kernels_ms_per_call": [[name[:100], us / calls / 1e3] for name, us in ranked[:top]],
+               # every activity: [name, ms per call, launches per call]
+               "kernels": [[name[:100], us / calls / 1e3, count[name] / calls] for name, us in ranked]}
     if kernels and len(kernels[0]) > 2:
         before: dict[str, float] = {}
         ordered = sorted(kernels, key=lambda k: k[2])

@@ -69,9 +69,10 @@ def _check_case(cfg: BlockConfig, layout: Layout, rank: int, args, dp_group) -> 
                        split_unit_axes=getattr(args, "split_unit_axes", False), progress=progress)
         return report.as_dict()
     except Exception as e:   # reported (at once: the other ranks may then wait for this one), and the next case runs
-        progress(f"failed: {error_line(e, context=2)}")
+        line = error_line(e, context=2)
+        progress(f"failed: {line}")
         return {"preset": args.preset, "dtype": cfg.dtype, "dropout": cfg.dropout, "rank": rank, "ok": False,
-                "error": error_line(e, context=2), "error_message": error_message(e)}
+                "error": line, "error_message": error_message(e)}
 
 
 def run_checks(cfgs: list[BlockConfig], layout: Layout, args) -> int:
