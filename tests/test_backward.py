@@ -166,3 +166,24 @@ def test_backward_reductions_each_reduce_one_axis():
         assert len(outputs) >= 10, dtype    # the bias and LayerNorm sums at least
         for tv in outputs:
             assert len(re.findall(r"\br[A-Za-z.]*\d+\{", tv)) == 1, tv
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_backward_reads_the_saved_heads_as_the_forward_writes_them(dtype):
+    """In bf16 the backward declares q, k, v and the attention output in flash
+    attention's layout (b, s, h, d) (the forward writes them so: checked on the
+    GPU), every other input contiguous; runtime.laid_out hands them over uncopied."""
+    from tpfuser.fusion import build_backward
+    from tpfuser.runtime import laid_out
+    cfg = preset("tiny", dtype=dtype)
+    bf = build_backward(cfg, Layout(1, 2))
+    defined = [line for line in repr(bf.fd).splitlines() if "define_tensor" in line]   # in definition order
+    assert len(defined) == len(bf.inputs)
+    ordered = {name: line.split("stride_order=")[1].rstrip(")") for name, line in zip(bf.inputs, defined)
+               if "stride_order" in line}
+    expected = ["q", "k", "v", "sdpa_out"] if dtype == "bf16" else []
+    assert ordered == {name: "[3, 1, 2, 0]" for name in expected}
+    held = torch.randn(4, 16, 8, 8).permute(0, 2, 1, 3)   # (b, h, s, d) over (b, s, h, d) memory
+    assert laid_out(held, (0, 2, 1, 3)).data_ptr() == held.data_ptr()
+    moved = laid_out(held.contiguous(), (0, 2, 1, 3))
+    assert moved.permute(0, 2, 1, 3).is_contiguous() and torch.equal(moved, held)

@@ -46,3 +46,11 @@ def test_saved_depend_on_dtype_and_dropout():
                                                 "sdpa_seed", "sdpa_offset", "x1", "ln_2.mean", "ln_2.rstd", "mlp_h"]
     assert names(dtype="fp32", dropout=0.1)[-3:] == ["resid_attn_keep", "resid_mlp_keep", "attn_keep"]
     assert [t.name for t in tensors(preset("tiny", dtype="bf16"), "mask")] == ["resid_attn_keep", "resid_mlp_keep"]
+
+
+def test_flash_layout_is_the_heads_inside_the_sequence_in_bf16_only():
+    from tpfuser.tensors import memory_order
+    bf16, fp32 = preset("tiny", dtype="bf16"), preset("tiny", dtype="fp32")
+    laid = {t.name: memory_order(t, bf16) for t in tensors(bf16) if memory_order(t, bf16) is not None}
+    assert laid == {name: (0, 2, 1, 3) for name in ("q", "k", "v", "sdpa_out")}   # (b, h, s, d) held as (b, s, h, d)
+    assert all(memory_order(t, fp32) is None for t in tensors(fp32))

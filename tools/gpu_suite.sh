@@ -7,8 +7,9 @@
 #   tests  pytest -m gpu on TESTS (default tests/), narrowed by K, bound TESTS_S (s); TEST_JOBS=n: in n
 #          pytest processes at once, balanced by their committed times (TEST_LINES="1 3": only those)
 #   fwd, bwd, bwdmesh   the forward tests; the backward's without and with a mesh (BWD_K narrows)
-#   train, bench, gpt3  benchmarks: nanogpt fwd+bwd, nanogpt fwd, gpt3 fwd (ITERS samples, 30);
-#           bounds TRAIN_S, BENCH_S (the graph peers add torch.compile's and the captures' time)
+#   train, bench, gpt3  benchmarks: nanogpt fwd+bwd, nanogpt fwd, gpt3 fwd (ITERS samples, 30; gpt3
+#           half); bounds TRAIN_S, BENCH_S, GPT3_S (the graph peers add torch.compile's and the
+#           captures' time); TRAIN_IMPLS, GPT3_IMPLS: --impl for train and gpt3 (default: the bench's)
 #   bisect  the meshed backward in each of BISECT_DTYPES ("bf16 fp32") at once, bound BISECT_S,
 #           BISECT_EACH=1 then each output alone of a failing one
 #   mesh    every mesh checked to the end, forward and backward, its ranks sharing the GPU
@@ -70,7 +71,8 @@ step_bwd() { echo "== GPU tests (1x1): the backward without a mesh"; pytest_gpu 
 step_bwdmesh() { echo "== GPU tests (1x1): the backward on a mesh"; pytest_gpu tests_bwdmesh tests/test_gpu_backward.py "${BWD_K:+($BWD_K) and }mesh"; }
 step_train() {
   echo "== benchmark: nanogpt forward+backward (a training step), with peak and saved memory"
-  T ${TRAIN_S:-360} -- python3 -m tpfuser.bench --preset nanogpt --train --profile --json "$OUT/bench_nanogpt_train.json" --iters ${ITERS:-30} 2>&1 | tee "$OUT/train.log"
+  T ${TRAIN_S:-360} -- python3 -m tpfuser.bench --preset nanogpt --train --profile --json "$OUT/bench_nanogpt_train.json" \
+    --iters ${ITERS:-30} ${TRAIN_IMPLS:+--impl "$TRAIN_IMPLS"} 2>&1 | tee "$OUT/train.log"
 }
 step_bench() {
   echo "== benchmark: nanogpt forward, nvFuser (1x1 mesh, and no mesh) vs eager vs torch.compile"
@@ -140,7 +142,8 @@ step_copies() {
 }
 step_gpt3() {
   echo "== benchmark: gpt3 forward at 1x1 (fewer samples: ~11 ms a call)"
-  T 300 -- python3 -m tpfuser.bench --preset gpt3 --json "$OUT/bench_gpt3.json" --iters $(((${ITERS:-30} + 1) / 2))
+  T ${GPT3_S:-300} -- python3 -m tpfuser.bench --preset gpt3 --profile --json "$OUT/bench_gpt3.json" \
+    --iters $(((${ITERS:-30} + 1) / 2)) ${GPT3_IMPLS:+--impl "$GPT3_IMPLS"}
 }
 
 unset NVFUSER_MASTER_PORT   # single-process runs pick a free port (tpfuser/world.py): concurrent steps do not collide

@@ -26,7 +26,7 @@ from tpfuser.config import BlockConfig, Layout
 from tpfuser.dropout import hash_positions, keep_threshold
 from tpfuser.plan import DP, TP, axis_sizes, placements, saved_specs
 from tpfuser.reference import LN_EPS, PARAM_NAMES, param_shapes
-from tpfuser.tensors import MASKS
+from tpfuser.tensors import BY_NAME, MASKS, memory_order
 
 _NV_DTYPE = {torch.bfloat16: DataType.BFloat16, torch.float32: DataType.Float}
 
@@ -258,6 +258,25 @@ def _row_parallel_out(fd, h, w, linear: str, p: float, rng, masks: dict, stream:
     return out
 
 
+def _lay_out(tv, order: tuple[int, ...] | None) -> None:
+    """Have nvFuser allocate tv with its logical dimensions in `order` in
+    memory (tensors.memory_order); None leaves it to nvFuser."""
+    if order is not None:
+        logical = tv.get_logical_domain()
+        tv.set_allocation_domain([logical[i] for i in order], True)
+
+
+def _stride_order(order: tuple[int, ...] | None) -> list[int]:
+    """define_tensor's stride_order for a memory order: per dimension, its rank
+    among the strides, 0 the innermost; [] for the logical order."""
+    if order is None:
+        return []
+    ranks = [0] * len(order)
+    for position, dim in enumerate(order):
+        ranks[dim] = len(order) - 1 - position
+    return ranks
+
+
 def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, train: bool = False,
                    keys_on_device: bool = False) -> ForwardFusion:
     """Define the block forward on global shapes inside `fd` (not yet sharded).
@@ -294,6 +313,8 @@ def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, 
             q, k, v, dropout_p=fd.define_scalar(p, dtype=DataType.Double),
             is_causal=fd.define_scalar(True, dtype=DataType.Bool), scale=None)
         saved["sdpa_out"] = y
+        for name in ("q", "k", "v", "sdpa_out"):   # in flash attention's own layout: no copy either side
+            _lay_out(saved[name], memory_order(BY_NAME[name], cfg))
     else:
         y = _causal_attention(fd, q, k, v, cfg, p, rng, masks)
     y = fd.ops.reshape(fd.ops.permute(y, dims=[0, 2, 1, 3]), new_shape=[b, s, e])  # (b, s, e)
@@ -528,8 +549,9 @@ def define_backward(fd: FusionDefinition, cfg: BlockConfig, outputs=None) -> Bac
     bf.inputs["x"] = fd.define_tensor(shape=[b, s, e], contiguity=True, dtype=dtype)
     for name, shape in param_shapes(cfg).items():
         bf.inputs[name] = fd.define_tensor(shape=list(shape), contiguity=True, dtype=dtype)
-    for name, (shape, kind) in saved_specs(cfg).items():
-        bf.inputs[name] = fd.define_tensor(shape=list(shape), contiguity=True, dtype=nv[kind])
+    for name, (shape, kind) in saved_specs(cfg).items():   # laid out as the forward writes them
+        bf.inputs[name] = fd.define_tensor(shape=list(shape), contiguity=True, dtype=nv[kind],
+                                           stride_order=_stride_order(memory_order(BY_NAME[name], cfg)))
     w = bf.inputs
     grads = {}
 

@@ -21,12 +21,22 @@ from tpfuser.fusion import MASK_STARTS, build_backward, build_forward, enable_op
 from tpfuser.plan import PARAM_PLACEMENTS, local_shape, placements
 from tpfuser.reference import PARAM_NAMES, param_shapes
 from tpfuser.shard import local_slice, slice_starts
-from tpfuser.tensors import MASKS
+from tpfuser.tensors import BY_NAME, MASKS, memory_order
 from tpfuser.weights import check_finite, check_tensor, from_hf_gpt2, rank_shards
 from tpfuser.world import describe_single_process, gather_output, sum_over_group
 
 # The tensors each dropout stream masks (fusion.MASK_STARTS, plan.placements).
 MASKED = {stream: mask.name for stream, mask in MASKS.items()}
+
+
+def laid_out(t: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
+    """t with its elements in memory in `order` (its dimensions outermost
+    first; None: contiguous), as a backward fusion input declares it; a copy
+    only where t is not so already."""
+    if order is None:
+        return t.contiguous()
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return t.permute(order).contiguous().permute(inverse)
 
 
 def mask_shape(cfg: BlockConfig, stream: str) -> tuple[int, ...]:
@@ -317,7 +327,8 @@ class ShardedBlock:
         names = self._saved_names[dropout]
         if len(saved) != len(names):
             raise ValueError(f"saved: expected {len(names)} tensors ({', '.join(names)}), got {len(saved)}")
-        return [grad_out.contiguous(), x.contiguous(), *params, *(t.contiguous() for t in saved)]
+        return [grad_out.contiguous(), x.contiguous(), *params,
+                *(laid_out(t, memory_order(BY_NAME[name], self.cfg)) for name, t in zip(names, saved))]
 
 
 class _BlockFunction(torch.autograd.Function):

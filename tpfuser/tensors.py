@@ -21,6 +21,9 @@ from typing import Callable
 from tpfuser.config import BlockConfig
 
 TP_DIMS = ("h", "hd", "q3", "f")
+# Flash attention's own memory layout of q, k, v and its output (bf16): the
+# heads inside the sequence, as ATen's flash kernels read and write them.
+FLASH_MEMORY = ("b", "s", "h", "d")
 
 
 def dim_sizes(cfg: BlockConfig) -> dict[str, int]:
@@ -56,7 +59,9 @@ class Tensor:
     dtype: "block" (the block's bf16 or fp32), "f32", "bool" or "u64".
     seq_split: under sequence parallelism s is split over tp (the region tensor
     parallelism replicates: the block's input and output, LayerNorms, residuals,
-    residual dropouts). stream: a mask's dropout stream (dropout.STREAMS)."""
+    residual dropouts). stream: a mask's dropout stream (dropout.STREAMS).
+    flash_layout: in bf16, held in memory as FLASH_MEMORY, not in the order of
+    `dims` (memory_order)."""
 
     name: str
     role: str
@@ -65,6 +70,7 @@ class Tensor:
     seq_split: bool = False
     when: Callable[[BlockConfig], bool] = _always
     stream: str | None = None
+    flash_layout: bool = False
 
     def shape(self, cfg: BlockConfig) -> tuple[int, ...]:
         sizes = dim_sizes(cfg)
@@ -103,10 +109,10 @@ TENSORS: tuple[Tensor, ...] = (
     # What the training forward saves for backward, in the order the backward takes them.
     Tensor("ln_1.mean", "saved", ("b", "s"), "f32", seq_split=True),
     Tensor("ln_1.rstd", "saved", ("b", "s"), "f32", seq_split=True),
-    Tensor("q", "saved", ("b", "h", "s", "d")),
-    Tensor("k", "saved", ("b", "h", "s", "d")),
-    Tensor("v", "saved", ("b", "h", "s", "d")),
-    Tensor("sdpa_out", "saved", ("b", "h", "s", "d"), when=_bf16),
+    Tensor("q", "saved", ("b", "h", "s", "d"), flash_layout=True),
+    Tensor("k", "saved", ("b", "h", "s", "d"), flash_layout=True),
+    Tensor("v", "saved", ("b", "h", "s", "d"), flash_layout=True),
+    Tensor("sdpa_out", "saved", ("b", "h", "s", "d"), when=_bf16, flash_layout=True),
     Tensor("sdpa_lse", "saved", ("b", "h", "s"), "f32", when=_bf16),
     Tensor("sdpa_seed", "saved", ("two",), "u64", when=_bf16),     # flash attention's philox state, per rank
     Tensor("sdpa_offset", "saved", (), "u64", when=_bf16),
@@ -147,3 +153,14 @@ def tensors(cfg: BlockConfig, role: str | None = None) -> list[Tensor]:
 def saved(cfg: BlockConfig) -> list[Tensor]:
     """What the training forward saves for the backward, in the backward's order."""
     return [t for t in TENSORS if t.saved and t.when(cfg)]
+
+
+def memory_order(t: Tensor, cfg: BlockConfig) -> tuple[int, ...] | None:
+    """t's dimensions, outermost first, in the order its elements lie in memory
+    under cfg; None: in the order of t.dims (contiguous). Flash attention (bf16)
+    reads q, k, v and writes its output with the heads inside the sequence, so
+    the forward writes them that way and the backward reads them that way: no
+    copy on either side (the copies run 29 found, NOTES.md)."""
+    if t.flash_layout and cfg.dtype == "bf16":
+        return tuple(t.dims.index(dim) for dim in FLASH_MEMORY)
+    return None
