@@ -200,7 +200,6 @@ def test_each_nvfuser_impl_builds_its_block_with_its_options(monkeypatch):
     assert made["nvfuser-split"] == {"split_unit_axes": True}
     assert made["nvfuser-graph-split"] == {"keys_on_device": True, "split_unit_axes": True}
     assert made["nvfuser-graph-fm"] == {"keys_on_device": True, "enable": ("fuse_matmul",)}
-    assert made["nvfuser-graph-fillkeys"] == {"keys_on_device": True, "fill_keys": True}
 
 
 def test_the_training_benches_take_every_option_their_impls_give():

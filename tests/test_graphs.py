@@ -20,11 +20,9 @@ def test_device_keys_are_replicated_0d_int64_inputs(dtype, keys):
     assert fusion_text(ff).count(" ^ ") == host.count(" ^ ") == 9 * keys
 
 
-@pytest.mark.parametrize("fill_keys", [False, True], ids=["copied", "filled"])
-def test_block_writes_its_keys_and_passes_views(fill_keys):
+def test_block_writes_its_keys_and_passes_views():
     cfg = preset("tiny", dtype="fp32")
-    block = ShardedBlock(cfg, Layout(1, 2), rank=1, device=torch.device("cpu"), keys_on_device=True,
-                         fill_keys=fill_keys)
+    block = ShardedBlock(cfg, Layout(1, 2), rank=1, device=torch.device("cpu"), keys_on_device=True)
     inputs = block._rng_inputs(7, 3)
     names = rng_input_names(cfg)
     values = dropout_scalars(cfg, Layout(1, 2), 1, 7, 3)

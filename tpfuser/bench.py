@@ -42,7 +42,7 @@ from tpfuser.reference import make_block, make_input, sdpa_forward
 from tpfuser.shard import local_slice
 
 IMPLS = ("nvfuser", "nvfuser-split", "nvfuser-graph", "nvfuser-graph-fm", "nvfuser-graph-split",
-         "nvfuser-graph-fillkeys", "nvfuser-nomesh",
+         "nvfuser-nomesh",
          "eager", "eager-graph", "compile", "compile-reduce-overhead", "dtensor")
 # Replayed from a CUDA graph: nvfuser-graph* (tpfuser.graphs), eager-graph (eager
 # captured by hand) and compile-reduce-overhead (torch.compile's own CUDA-graph
@@ -50,13 +50,11 @@ IMPLS = ("nvfuser", "nvfuser-split", "nvfuser-graph", "nvfuser-graph-fm", "nvfus
 # nvFuser's own matmul kernels (fuse_matmul), their neighbours' pointwise work
 # fused in, where ATen's run otherwise; *-split, the block split over a mesh
 # axis of one device too (collectives over a team of one: fusion.schedule; the
-# default until run 30, timed as *-unsplit's counterpart in runs 25-29);
-# nvfuser-graph-fillkeys, the dropout keys written by fills, not a pinned copy.
+# default until run 30, timed as *-unsplit's counterpart in runs 25-29).
 NVFUSER_CALLED = {"nvfuser": {}, "nvfuser-split": {"split_unit_axes": True},
                   "nvfuser-nomesh": {"mesh": False}}                    # impl: ShardedBlock's options
 NVFUSER_GRAPHED = {"nvfuser-graph": {}, "nvfuser-graph-fm": {"enable": ("fuse_matmul",)},
-                   "nvfuser-graph-split": {"split_unit_axes": True},
-                   "nvfuser-graph-fillkeys": {"fill_keys": True}}
+                   "nvfuser-graph-split": {"split_unit_axes": True}}
 
 
 def default_impls(layout: Layout) -> tuple[str, ...]:

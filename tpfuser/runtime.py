@@ -88,7 +88,7 @@ class ShardedBlock:
     def __init__(self, cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, check: bool = False,
                  device: Optional[torch.device] = None, mesh: bool = True,
                  dp_group=None, check_finite: bool = False, keys_on_device: bool = False,
-                 enable: tuple[str, ...] = (), split_unit_axes: bool = False, fill_keys: bool = False):
+                 enable: tuple[str, ...] = (), split_unit_axes: bool = False):
         """mesh=False (1x1 only) builds the fusion without a device mesh: the
         same math, run by nvFuser's single-device executor (see NOTES-history.md, runs 15-18).
         dp_group: the torch.distributed group of this rank's dp replicas (world.dp_group),
@@ -104,9 +104,6 @@ class ShardedBlock:
         split_unit_axes=True: also split over a mesh axis of one device
         (fusion.schedule), where nvFuser then posts collectives over a team of
         one (`tpfuser check --unit-splits`); the default leaves those splits out.
-        fill_keys: write the device keys by a fill per key (its value a kernel
-        argument) instead of one copy from pinned host memory (bench's
-        nvfuser-graph-fillkeys: whether the copy makes the GPU wait, NOTES.md).
         On its own (no launcher) the process describes a world of one to nvFuser
         first (world.describe_single_process): before its first fusion runs."""
         describe_single_process()
@@ -123,7 +120,6 @@ class ShardedBlock:
         self.enable = tuple(enable)
         self._options = enable_options(self.enable)   # the forward's execute keywords, made once
         self.split_unit_axes = split_unit_axes
-        self.fill_keys = fill_keys
         self._keys = None   # the keys' CUDA tensor (keys_on_device), made at first use
         self._eval_cfg = cfg.replace(dropout=0.0) if cfg.dropout > 0 else cfg   # mode_cfg(False), made once
         # what the layout fixes, made once, not on every call
@@ -238,14 +234,9 @@ class ShardedBlock:
             if not write_keys:   # under capture: the tensor would be made (zeros) by every replay
                 raise RuntimeError("the dropout keys were never written: call the block once before capturing it")
             self._keys = torch.zeros(len(keys), dtype=torch.int64, device=self.device)
-        if write_keys and self.fill_keys:   # keys are below 2**62 (dropout.stream_key): int64 holds them
-            for i, name in enumerate(keys):
+        if write_keys:   # a fill per key, its value a kernel argument: no host memory for the GPU to read
+            for i, name in enumerate(keys):   # (keys are below 2**62, dropout.stream_key: int64 holds them)
                 self._keys[i].fill_(values[name])
-        elif write_keys:
-            host = torch.tensor([values[name] for name in keys], dtype=torch.int64)
-            if self._keys.is_cuda:   # pinned: the copy does not wait for the GPU (the allocator keeps it until done)
-                host = host.pin_memory()
-            self._keys.copy_(host, non_blocking=self._keys.is_cuda)
         views = {name: self._keys[i] for i, name in enumerate(keys)}
         return [views.get(name, values[name]) for name in names]
 
