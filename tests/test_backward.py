@@ -187,3 +187,29 @@ def test_backward_reads_the_saved_heads_as_the_forward_writes_them(dtype):
     assert laid_out(held, (0, 2, 1, 3)).data_ptr() == held.data_ptr()
     moved = laid_out(held.contiguous(), (0, 2, 1, 3))
     assert moved.permute(0, 2, 1, 3).is_contiguous() and torch.equal(moved, held)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_backward_inputs_hand_the_saved_heads_over_as_they_lie(dtype, monkeypatch):
+    """ShardedBlock.backward_inputs (the parameters' and inputs' checks, which
+    want CUDA tensors, stubbed): in bf16 q, k, v and the attention output held
+    as (b, s, h, d) pass uncopied; in fp32 they are made contiguous, as the
+    fp32 backward declares them."""
+    from tpfuser.fusion import saved_shapes
+    from tpfuser.runtime import ShardedBlock
+    cfg = preset("tiny", dtype=dtype)
+    block = ShardedBlock(cfg, device=torch.device("cpu"))
+    monkeypatch.setattr(block, "_checked_params", lambda params: [])
+    monkeypatch.setattr(block, "_validate_input", lambda name, t: None)
+    names = block.saved_names()
+    saved = [torch.zeros(shape) if len(shape) != 4 else
+             torch.zeros(shape[0], shape[2], shape[1], shape[3]).permute(0, 2, 1, 3)   # (b, h, s, d) over (b, s, h, d)
+             for shape in saved_shapes(cfg).values()]
+    handed = dict(zip(names, block.backward_inputs(torch.zeros(4, 16, 64), torch.zeros(4, 16, 64), saved)[2:]))
+    heads = [name for name in names if name in ("q", "k", "v", "sdpa_out")]
+    assert len(heads) == (4 if dtype == "bf16" else 3)
+    for name, t in zip(names, saved):
+        if name in heads and dtype == "bf16":
+            assert handed[name].data_ptr() == t.data_ptr(), name
+        else:
+            assert handed[name].is_contiguous(), name
