@@ -1,9 +1,10 @@
 """Which op launches each copy kernel of the training step? Run 29's nanogpt
 bf16 step had 5 strided-copy kernels (ATen's `direct_copy` elementwise_kernel,
 0.057 ms a step, the largest GPU work compile-reduce-overhead does not do).
-Suspects: backward_inputs' `.contiguous()` of the saved tensors (sdpa_out, as
-flash attention returns it, is a transposed view) and flash attention's
-backward making its transposed grad_out and out contiguous inside fd.execute.
+They were backward_inputs' `.contiguous()` of q, k, v and attention's output
+(laid out by nvFuser as flash attention holds them) and flash attention's
+backward making its out contiguous again; since aef3010 the block keeps them
+in flash attention's layout and run 31 found none.
 
     python3 tools/copy_probe.py [--preset nanogpt] [--dtype bf16]   (on a GPU; a minute or two)
 

@@ -23,7 +23,7 @@
 #           failing graph tests, run 30's; the block with the unit-axis splits); bound REPLAY_S,
 #           REPLAY_ARGS=--after-only: no trial before the suspect
 #   copies  tools/copy_probe.py: which op (and which line of ours) launches each copy kernel of
-#           nanogpt's bf16 training step (run 29: 5, 0.057 ms a step); bound COPIES_S
+#           nanogpt's bf16 training step (run 29: 5, 0.057 ms a step; run 31: 0); bound COPIES_S
 #   graphs  CUDA graphs: tests/test_gpu_graphs.py at 1x1, and `check --graphs` at 1x2 and 2x2
 #           (replays against the called block, bit for bit), side by side; bound GRAPHS_S
 # SUITE_S: no step starts after this many seconds. At most 8 files come back from
