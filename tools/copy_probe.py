@@ -1,10 +1,11 @@
 """Which op launches each copy kernel of the training step? Run 29's nanogpt
 bf16 step had 5 strided-copy kernels (ATen's `direct_copy` elementwise_kernel,
 0.057 ms a step, the largest GPU work compile-reduce-overhead does not do).
-They were backward_inputs' `.contiguous()` of q, k, v and attention's output
-(laid out by nvFuser as flash attention holds them) and flash attention's
-backward making its out contiguous again; since aef3010 the block keeps them
-in flash attention's layout and run 31 found none.
+Inferred from nvFuser's and ATen's source, never probed: backward_inputs'
+`.contiguous()` of q, k, v and attention's output (nvFuser wrote them as
+flash attention holds them) and flash attention's backward making its output
+contiguous in its own layout again. Since aef3010 the block keeps all four in
+flash attention's layout, and the probe's first run (run 31) found none.
 
     python3 tools/copy_probe.py [--preset nanogpt] [--dtype bf16]   (on a GPU; a minute or two)
 
