@@ -187,6 +187,8 @@ def test_backward_reads_the_saved_heads_as_the_forward_writes_them(dtype):
     assert laid_out(held, (0, 2, 1, 3)).data_ptr() == held.data_ptr()
     moved = laid_out(held.contiguous(), (0, 2, 1, 3))
     assert moved.permute(0, 2, 1, 3).is_contiguous() and torch.equal(moved, held)
+    cycled = laid_out(torch.randn(2, 3, 5), (2, 0, 1))   # an order that is not its own inverse
+    assert cycled.shape == (2, 3, 5) and cycled.permute(2, 0, 1).is_contiguous()
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])

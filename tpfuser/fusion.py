@@ -313,7 +313,7 @@ def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, 
             q, k, v, dropout_p=fd.define_scalar(p, dtype=DataType.Double),
             is_causal=fd.define_scalar(True, dtype=DataType.Bool), scale=None)
         saved["sdpa_out"] = y
-        for name in ("q", "k", "v", "sdpa_out"):   # in flash attention's own layout: no copy either side
+        for name in ("q", "k", "v", "sdpa_out"):   # flash attention's own layout: ATen copies none of them
             _lay_out(saved[name], memory_order(BY_NAME[name], cfg))
     else:
         y = _causal_attention(fd, q, k, v, cfg, p, rng, masks)
