@@ -313,8 +313,8 @@ def define_forward(fd: FusionDefinition, cfg: BlockConfig, check: bool = False, 
             q, k, v, dropout_p=fd.define_scalar(p, dtype=DataType.Double),
             is_causal=fd.define_scalar(True, dtype=DataType.Bool), scale=None)
         saved["sdpa_out"] = y
-        for name in ("q", "k", "v", "sdpa_out"):   # flash attention's own layout: ATen copies none of them
-            _lay_out(saved[name], memory_order(BY_NAME[name], cfg))
+        for name, tv in saved.items():   # as the table says: q, k, v and y as flash attention holds them
+            _lay_out(tv, memory_order(BY_NAME[name], cfg))
     else:
         y = _causal_attention(fd, q, k, v, cfg, p, rng, masks)
     y = fd.ops.reshape(fd.ops.permute(y, dims=[0, 2, 1, 3]), new_shape=[b, s, e])  # (b, s, e)

@@ -126,6 +126,9 @@ class ShardedBlock:
         self._placements = placements(layout)
         self._mask_starts = mask_starts(cfg, layout, rank)
         self._saved_names = {True: saved_names(cfg), False: saved_names(self._eval_cfg)}
+        # how the backward takes each saved tensor in memory (tensors.memory_order), per mode
+        self._saved_orders = {mode: [memory_order(BY_NAME[name], cfg) for name in names]
+                              for mode, names in self._saved_names.items()}
         self._fusions = {}   # (kind, dropout): built at first use (_fusion)
         self.fusion = self._fusion("forward", True)
         self._params: Optional[list[torch.Tensor]] = None

@@ -159,8 +159,8 @@ def memory_order(t: Tensor, cfg: BlockConfig) -> tuple[int, ...] | None:
     """t's dimensions, outermost first, in the order its elements lie in memory
     under cfg; None: in the order of t.dims (contiguous). Flash attention (bf16)
     reads q, k, v and writes its output with the heads inside the sequence, so
-    the forward writes them that way and the backward reads them that way: no
-    copy on either side (the copies run 29 found, NOTES.md)."""
+    the forward writes them that way and the backward reads them that way:
+    ATen copies none of them on either side (the copies run 29 found, NOTES.md)."""
     if t.flash_layout and cfg.dtype == "bf16":
         return tuple(t.dims.index(dim) for dim in FLASH_MEMORY)
     return None
