@@ -44,6 +44,26 @@ def test_ratios_to_eager_and_the_fastest_peer_and_the_graph_columns():
     assert add_ratios({"nvfuser": {"median_ms": 1.0}}) is None
 
 
+def test_the_work_timed_alone_is_never_the_peer():
+    """gemms and gemms+attention are parts of the block's work, faster than any
+    whole block: were they peers, every ratio to the fastest peer would be theirs."""
+    from tpfuser.benchreport import add_ratios
+    rows = {"eager": {"median_ms": 2.0}, "nvfuser-graph": {"median_ms": 1.5},
+            "gemms": {"median_ms": 1.0}, "gemms+attention": {"median_ms": 1.2}}
+    assert add_ratios(rows) == "eager"
+    assert rows["nvfuser-graph"]["ratio_to_best_peer"] == 0.75 and rows["gemms"]["ratio_to_eager"] == 0.5
+
+
+def test_the_work_timed_alone_is_refused_where_it_is_not_the_blocks():
+    from tpfuser.bench import check_impls
+    from tpfuser.config import Layout
+    check_impls(["gemms", "gemms+attention"], Layout())
+    with pytest.raises(ValueError, match="'gemms'.*not a training step"):
+        check_impls(["gemms"], Layout(), train=True)
+    with pytest.raises(ValueError, match="'gemms\\+attention'.*not a 1x2 mesh"):
+        check_impls(["gemms+attention"], Layout(1, 2))
+
+
 def test_schema_errors_name_the_key():
     rep = json.load(open(REPORTS[0]))
     broken = copy.deepcopy(rep)

@@ -167,6 +167,46 @@ def test_timeout_ends_every_rank(tmp_path, monkeypatch, capsys):
     assert _gone(in_group) and _gone(leader)
 
 
+# A launcher with two ranks that never end: rank 0 waits in a function named so
+# (as in a collective), rank 1 spins; each asks for its stacks on SIGUSR1 as
+# tpfuser's entry points do. The launcher itself is no rank (no RANK).
+RANK_PROGRAM = r"""
+import sys, time
+from tpfuser.launch import dump_stacks_on_signal
+dump_stacks_on_signal()
+def waiting_in_a_collective():
+    time.sleep(600)
+def spinning():
+    while True:
+        pass
+(spinning if sys.argv[1] == "1" else waiting_in_a_collective)()
+"""
+WAITING_RANKS = r"""
+import os, subprocess, sys, time
+ranks = [subprocess.Popen([sys.executable, sys.argv[1], str(r)], env={**os.environ, "RANK": str(r)}) for r in (0, 1)]
+time.sleep(600)
+"""
+
+
+def test_a_run_past_its_bound_says_what_each_rank_was_doing(tmp_path, monkeypatch, capfd):
+    """Before ending a stuck run, run_bounded names each rank with the CPU it
+    used (waiting or working) and has it print its Python stacks."""
+    (tmp_path / "rank.py").write_text(RANK_PROGRAM)
+    (tmp_path / "launcher.py").write_text(WAITING_RANKS)
+    monkeypatch.setattr(launch, "GRACE_S", 0.5)
+    monkeypatch.setattr(launch, "WATCH_S", 1.0)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    env.pop("RANK", None)
+    assert launch.run_bounded([sys.executable, str(tmp_path / "launcher.py"), str(tmp_path / "rank.py")], env, 4) is None
+    err = capfd.readouterr().err
+    lines = {line.split(" (pid")[0]: line for line in err.splitlines() if line.startswith("rank ")}
+    assert set(lines) == {"rank 0", "rank 1"}, err   # the ranks, not the launcher
+    used = {r: float(line.split("): ")[1].split(" s of CPU")[0]) for r, line in lines.items()}
+    assert used["rank 0"] < 0.2 and used["rank 1"] > 0.5, used
+    assert "in waiting_in_a_collective" in err and "in spinning" in err   # faulthandler's stacks
+
+
 def test_a_run_that_finishes_returns_its_status(tmp_path):
     assert launch.run_bounded([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), 30) == 3
 

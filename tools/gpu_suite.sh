@@ -9,7 +9,8 @@
 #   fwd, bwd, bwdmesh   the forward tests; the backward's without and with a mesh (BWD_K narrows)
 #   train, bench, gpt3  benchmarks: nanogpt fwd+bwd, nanogpt fwd, gpt3 fwd (ITERS samples, 30; gpt3
 #           half); bounds TRAIN_S, BENCH_S, GPT3_S (the graph peers add torch.compile's and the
-#           captures' time); TRAIN_IMPLS, GPT3_IMPLS: --impl for train and gpt3 (default: the bench's)
+#           captures' time); TRAIN_IMPLS, BENCH_IMPLS, GPT3_IMPLS: --impl for each (default: the
+#           bench's); the GPU's clocks and power sampled meanwhile (clocks_<step>.csv)
 #   bisect  the meshed backward in each of BISECT_DTYPES ("bf16 fp32") at once, bound BISECT_S,
 #           BISECT_EACH=1 then each output alone of a failing one
 #   mesh    every mesh checked to the end, forward and backward, its ranks sharing the GPU
@@ -69,14 +70,25 @@ step_tests() {
 step_fwd() { echo "== GPU tests (1x1): the forward"; pytest_gpu tests_fwd tests/test_gpu.py ""; }
 step_bwd() { echo "== GPU tests (1x1): the backward without a mesh"; pytest_gpu tests_bwd tests/test_gpu_backward.py "${BWD_K:+($BWD_K) and }not mesh"; }
 step_bwdmesh() { echo "== GPU tests (1x1): the backward on a mesh"; pytest_gpu tests_bwdmesh tests/test_gpu_backward.py "${BWD_K:+($BWD_K) and }mesh"; }
+clocks() {   # clocks NAME command...: the command, with the GPU's SM clock, power, temperature and
+  # clock-limit reasons sampled every 250 ms into $OUT/clocks_NAME.csv (the bench prints its phases' start times)
+  local name=$1 pid rc; shift
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv -lms 250 > "$OUT/clocks_$name.csv" 2>&1 &
+  pid=$!
+  "$@"; rc=$?
+  kill $pid 2>/dev/null; wait $pid 2>/dev/null
+  return $rc
+}
 step_train() {
   echo "== benchmark: nanogpt forward+backward (a training step), with peak and saved memory"
-  T ${TRAIN_S:-360} -- python3 -m tpfuser.bench --preset nanogpt --train --profile --json "$OUT/bench_nanogpt_train.json" \
+  clocks train T ${TRAIN_S:-360} -- python3 -m tpfuser.bench --preset nanogpt --train --profile --json "$OUT/bench_nanogpt_train.json" \
     --iters ${ITERS:-30} ${TRAIN_IMPLS:+--impl "$TRAIN_IMPLS"} 2>&1 | tee "$OUT/train.log"
 }
 step_bench() {
   echo "== benchmark: nanogpt forward, nvFuser (1x1 mesh, and no mesh) vs eager vs torch.compile"
-  T ${BENCH_S:-420} -- python3 -m tpfuser.bench --preset nanogpt --profile --json "$OUT/bench_nanogpt.json" --iters $((${ITERS:-30} * 3))
+  clocks nanogpt T ${BENCH_S:-420} -- python3 -m tpfuser.bench --preset nanogpt --profile --json "$OUT/bench_nanogpt.json" \
+    --iters $((${ITERS:-30} * 3)) ${BENCH_IMPLS:+--impl "$BENCH_IMPLS"} 2>&1 | tee "$OUT/bench.log"
 }
 step_bisect() {
   echo "== the meshed backward (1x1) in each dtype at once; then each output alone of the failing ones"
@@ -142,8 +154,8 @@ step_copies() {
 }
 step_gpt3() {
   echo "== benchmark: gpt3 forward at 1x1 (fewer samples: ~11 ms a call)"
-  T ${GPT3_S:-300} -- python3 -m tpfuser.bench --preset gpt3 --profile --json "$OUT/bench_gpt3.json" \
-    --iters $(((${ITERS:-30} + 1) / 2)) ${GPT3_IMPLS:+--impl "$GPT3_IMPLS"}
+  clocks gpt3 T ${GPT3_S:-300} -- python3 -m tpfuser.bench --preset gpt3 --profile --json "$OUT/bench_gpt3.json" \
+    --iters $(((${ITERS:-30} + 1) / 2)) ${GPT3_IMPLS:+--impl "$GPT3_IMPLS"} 2>&1 | tee "$OUT/gpt3.log"
 }
 
 unset NVFUSER_MASTER_PORT   # single-process runs pick a free port (tpfuser/world.py): concurrent steps do not collide

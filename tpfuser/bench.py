@@ -33,7 +33,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tpfuser.benchreport import add_ratios, format_table, validate_report
+from tpfuser.benchreport import WORK_ONLY, add_ratios, format_table, validate_report
 from tpfuser.commlog import error_line
 from tpfuser.config import Layout, preset
 from tpfuser.meshcheck import environment
@@ -41,9 +41,13 @@ from tpfuser.plan import backward_collectives, collectives, forward_flops, place
 from tpfuser.reference import make_block, make_input, sdpa_forward
 from tpfuser.shard import local_slice
 
+# WORK_ONLY (benchreport): not implementations of the block but parts of its
+# work, timed in the same loop (--impl only; one GPU, forward): what the floor's
+# GEMMs and attention take under the conditions the block runs in (the floor
+# itself is measured apart, after the loop: matmul_rate). Never a peer.
 IMPLS = ("nvfuser", "nvfuser-split", "nvfuser-graph", "nvfuser-graph-fm", "nvfuser-graph-split",
          "nvfuser-nomesh",
-         "eager", "eager-graph", "compile", "compile-reduce-overhead", "dtensor")
+         "eager", "eager-graph", "compile", "compile-reduce-overhead", "dtensor", *WORK_ONLY)
 # Replayed from a CUDA graph: nvfuser-graph* (tpfuser.graphs), eager-graph (eager
 # captured by hand) and compile-reduce-overhead (torch.compile's own CUDA-graph
 # mode). Asked for by --impl only: nvfuser-graph-fm, nvfuser-graph with
@@ -68,13 +72,16 @@ def default_impls(layout: Layout) -> tuple[str, ...]:
         (("dtensor",) if layout.tp > 1 else ())
 
 
-def check_impls(impls, layout: Layout) -> None:
+def check_impls(impls, layout: Layout, train: bool = False) -> None:
     for impl in impls:
         if impl not in IMPLS:
             raise ValueError(f"implementation {impl!r}: must be one of {IMPLS}")
         if impl == "dtensor" and layout.tp == 1:
             raise ValueError("implementation 'dtensor': needs tp > 1 (DTensor's tensor parallelism "
                              "over several GPUs; --tp N)")
+        if impl in WORK_ONLY and (layout.world_size > 1 or train):
+            raise ValueError(f"implementation {impl!r}: the block's forward work on one GPU only, "
+                             f"not {'a training step' if train else f'a {layout.dp}x{layout.tp} mesh'}")
         if impl == "nvfuser-nomesh" and layout.world_size > 1:
             raise ValueError(f"implementation 'nvfuser-nomesh': one GPU only, the mesh is {layout.dp}x{layout.tp}")
 # Each timing sample is this many back-to-back calls (throughput, as a
@@ -243,12 +250,17 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
     cfg = preset(preset_name, **overrides)
     layout.check(cfg)
     impls = tuple(impls or default_impls(layout))
-    check_impls(impls, layout)
+    check_impls(impls, layout, train)
     if not torch.cuda.is_available():
         raise RuntimeError("benchmarking needs a CUDA GPU")
     ref = make_block(cfg, dtype=torch.bfloat16, device="cuda")
     x = local_slice(make_input(cfg, dtype=torch.bfloat16, device="cuda"), placements(layout)["x"], layout, rank)
     memory, failed = {}, {}
+
+    def phase(what):   # its start, on the clock a GPU monitor's samples carry (nvidia-smi's timestamp)
+        if progress:
+            print(f"[{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
+    phase("building and warming up")
     if not train:
         fns = _forward_fns(cfg, ref, x, impls, layout, rank, groups)
         ctx = torch.no_grad()
@@ -264,6 +276,7 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
                 failed[name] = failure(e)
                 del fns[name]
         torch.cuda.synchronize()
+        phase(f"timing: {iters} rounds of {', '.join(fns)}")
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         times = {name: [] for name in fns}
         host = {name: [] for name in fns}
@@ -277,8 +290,10 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
                 print(f"\r  {i + 1}/{iters} rounds ({time.time() - t0:.0f} s)", end="", file=sys.stderr, flush=True)
         if progress:
             print(file=sys.stderr)
+        phase("profiling" if profile else "timed")
         kernels = {name: profile_kernels(fn, CALLS_PER_SAMPLE) for name, fn in fns.items()} if profile else {}
     times = _slowest_rank(times, layout.world_size)
+    phase("the floor's matmul rate")
     rate = matmul_rate(cfg)
     bandwidth = copy_bandwidth()
     # Matmul FLOPs per GPU of the block's work (its global FLOPs over dp * tp);
@@ -354,7 +369,29 @@ def _forward_fns(cfg, ref, x, impls, layout, rank, groups):
         from tpfuser.peers import dtensor_block
         block = dtensor_block(ref, groups.tp_mesh)
         fns["dtensor"] = lambda: sdpa_forward(block, x, cfg.dropout, heads_interleaved=True)
+    for impl in WORK_ONLY:
+        if impl in impls:
+            fns[impl] = _work_fn(cfg, ref, attention=impl == "gemms+attention")
     return fns
+
+
+def _work_fn(cfg, ref, attention: bool):
+    """The block's four linears alone (the floor's GEMMs: its weights, no bias,
+    on random activations of their input shapes), and with `attention` its
+    causal attention too (SDPA with the block's dropout, on random q, k, v):
+    the least any implementation that leaves nothing else unfused must run."""
+    b, s, h, d = cfg.batch, cfg.seq, cfg.n_head, cfg.head_dim
+    linears = [ref.attn.c_attn, ref.attn.c_proj, ref.mlp.c_fc, ref.mlp.c_proj]
+    gen = torch.Generator("cuda").manual_seed(1)
+    acts = [torch.randn(b * s, lin.in_features, device="cuda", dtype=torch.bfloat16, generator=gen) for lin in linears]
+    qkv = torch.randn(3, b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def run():
+        for lin, a in zip(linears, acts):
+            F.linear(a, lin.weight)
+        if attention:
+            F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], dropout_p=cfg.dropout, is_causal=True)
+    return run
 
 
 class graphed_callable:
@@ -536,7 +573,7 @@ def run(args, argv) -> int:
             raise ValueError(f"--iters={args.iters}: must be a positive int (samples per implementation)")
         cfg = preset(args.preset, dtype="bf16", **({} if args.dropout is None else {"dropout": args.dropout}))
         layout.check(cfg)
-        check_impls(impls or (), layout)
+        check_impls(impls or (), layout, args.train)
         check_writable(args.json, "--json")
         check_writable(args.png, "--png")
         from tpfuser.world import check_launch, in_launcher

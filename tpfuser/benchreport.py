@@ -3,6 +3,10 @@ bench.py (which writes reports), plot.py and the tests (which read them)."""
 
 from __future__ import annotations
 
+# Parts of the block's work timed alone beside the implementations (bench.py,
+# --impl gemms,gemms+attention): never a peer.
+WORK_ONLY = ("gemms", "gemms+attention")
+
 
 REPORT_KEYS = {"preset": str, "config": dict, "pass": str, "mesh": str, "gpu": str, "torch": str, "timing": str,
                "matmul_tflops_measured": float, "matmul_gflop": float, "compute_floor_ms": float, "results": dict}
@@ -32,12 +36,13 @@ def validate_report(rep: dict) -> dict:
 
 def add_ratios(rows: dict) -> str | None:
     """Each row's median as a ratio to eager's and to the fastest peer's (what a
-    user would pick instead of tpfuser: every implementation not nvfuser*).
+    user would pick instead of tpfuser: every implementation not nvfuser*, nor
+    a part of the block's work timed alone, bench.WORK_ONLY).
     Returns that peer's name, or None without peers."""
     if "eager" in rows:
         for r in rows.values():
             r["ratio_to_eager"] = r["median_ms"] / rows["eager"]["median_ms"]
-    peers = [name for name in rows if not name.startswith("nvfuser")]
+    peers = [name for name in rows if not name.startswith("nvfuser") and name not in WORK_ONLY]
     if not peers:
         return None
     best = min(peers, key=lambda n: rows[n]["median_ms"])

@@ -23,6 +23,17 @@ TIMEOUT_VAR = "TPFUSER_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
 # Between SIGTERM and SIGKILL: time for torchrun to stop its ranks and NCCL to let go.
 GRACE_S = 10.0
+# Asks a rank for its Python stacks (dump_stacks_on_signal); run_bounded sends it
+# to every rank of a run past its bound, after measuring their CPU over WATCH_S.
+STACKS_SIGNAL = signal.SIGUSR1
+WATCH_S = 2.0
+
+
+def dump_stacks_on_signal() -> None:
+    """Have STACKS_SIGNAL print every thread's Python stack to stderr (a rank
+    that seems stuck can be asked where it is: `kill -USR1 PID`)."""
+    import faulthandler
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
 
 def torchrun_command(layout: Layout, argv: list[str], environ: dict[str, str],
                      shared_gpus: int = 0) -> tuple[list[str], dict[str, str]]:
@@ -90,6 +101,48 @@ def _tree(root: int) -> dict[int, str]:
     return found
 
 
+def _cpu_s(pid: int) -> float | None:
+    """CPU seconds (user and system) pid has used, from /proc; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()   # fields[0] is stat's 3rd (state): utime the 14th, stime the 15th
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rank_of(pid: int) -> str | None:
+    """The RANK a process was started with (a launcher's rank), or None."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+    except OSError:
+        return None
+    return next((v[5:].decode() for v in env if v.startswith(b"RANK=")), None)
+
+
+def _report_ranks(tracked: dict[int, str], watch_s: float) -> None:
+    """For each rank of a run past its bound: the CPU it used over watch_s (busy:
+    compiling or spinning; near 0: waiting, in a collective most likely), then
+    its Python stacks, asked for with STACKS_SIGNAL (they go to its own stderr)."""
+    ranks = {pid: _rank_of(pid) for pid in _alive(tracked)}
+    ranks = {pid: rank for pid, rank in ranks.items() if rank is not None}
+    before = {pid: _cpu_s(pid) for pid in ranks}
+    time.sleep(watch_s)
+    for pid, rank in sorted(ranks.items(), key=lambda kv: int(kv[1]) if kv[1].isdigit() else -1):
+        used = _cpu_s(pid)
+        if used is None or before[pid] is None:
+            continue
+        print(f"rank {rank} (pid {pid}): {used - before[pid]:.1f} s of CPU in the last {watch_s:g} s; "
+              f"its Python stacks follow in its output", file=sys.stderr, flush=True)
+        try:
+            os.kill(pid, STACKS_SIGNAL)
+        except ProcessLookupError:
+            pass
+        time.sleep(0.3)   # one rank's stacks written before the next's: not interleaved
+
+
 def _signal_all(root: int, tracked: dict[int, str], sig) -> None:
     try:
         os.killpg(root, sig)
@@ -133,15 +186,17 @@ def _end_all(proc: subprocess.Popen, grace_s: float) -> None:
 
 def run_bounded(cmd: list[str], env: dict[str, str], timeout_s: float, grace_s: float | None = None) -> int | None:
     """Run cmd in a session (and process group) of its own; its exit status, or
-    None when it ran past timeout_s: then it is ended with its group and every
-    process it started (torchrun's ranks run in sessions of their own), so that
-    none is left holding a GPU. Ctrl-C ends them too. grace_s: between SIGTERM
-    and SIGKILL (GRACE_S)."""
+    None when it ran past timeout_s: then it says what each rank was doing
+    (_report_ranks) and is ended with its group and every process it started
+    (torchrun's ranks run in sessions of their own), so that none is left
+    holding a GPU. Ctrl-C ends them too. grace_s: between SIGTERM and SIGKILL
+    (GRACE_S)."""
     grace_s = GRACE_S if grace_s is None else grace_s
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
         return proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        _report_ranks(_tree(proc.pid), WATCH_S)
         _end_all(proc, grace_s)
         return None
     except BaseException:
