@@ -168,12 +168,12 @@ def test_timeout_ends_every_rank(tmp_path, monkeypatch, capsys):
 
 
 # A launcher with two ranks that never end: rank 0 waits in a function named so
-# (as in a collective), rank 1 spins; each asks for its stacks on SIGUSR1 as
-# tpfuser's entry points do. The launcher itself is no rank (no RANK).
+# (as in a collective), rank 1 spins; each arms its stack dumps as tpfuser's
+# entry points do. The launcher itself is no rank (no RANK).
 RANK_PROGRAM = r"""
 import sys, time
-from tpfuser.launch import dump_stacks_on_signal
-dump_stacks_on_signal()
+from tpfuser.launch import arm_stack_dumps
+arm_stack_dumps()
 def waiting_in_a_collective():
     time.sleep(600)
 def spinning():
@@ -189,22 +189,27 @@ time.sleep(600)
 
 
 def test_a_run_past_its_bound_says_what_each_rank_was_doing(tmp_path, monkeypatch, capfd):
-    """Before ending a stuck run, run_bounded names each rank with the CPU it
-    used (waiting or working) and has it print its Python stacks."""
+    """Before a stuck run is ended, each rank has printed its Python stacks, and
+    run_bounded names each with the CPU it used (waiting or working) and its
+    busiest thread."""
     (tmp_path / "rank.py").write_text(RANK_PROGRAM)
     (tmp_path / "launcher.py").write_text(WAITING_RANKS)
     monkeypatch.setattr(launch, "GRACE_S", 0.5)
     monkeypatch.setattr(launch, "WATCH_S", 1.0)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    # bound 10 s: time for the ranks to import torch (3 s here) and be where they stay; stacks at 7.5 s
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+           "TPFUSER_TIMEOUT_S": "10"}
     env.pop("RANK", None)
-    assert launch.run_bounded([sys.executable, str(tmp_path / "launcher.py"), str(tmp_path / "rank.py")], env, 4) is None
+    assert launch.stacks_due_s(10) == 7.5 and launch.stacks_due_s(600) == 580
+    assert launch.run_bounded([sys.executable, str(tmp_path / "launcher.py"), str(tmp_path / "rank.py")], env, 10) is None
     err = capfd.readouterr().err
     lines = {line.split(" (pid")[0]: line for line in err.splitlines() if line.startswith("rank ")}
     assert set(lines) == {"rank 0", "rank 1"}, err   # the ranks, not the launcher
     used = {r: float(line.split("): ")[1].split(" s of CPU")[0]) for r, line in lines.items()}
     assert used["rank 0"] < 0.2 and used["rank 1"] > 0.5, used
-    assert "in waiting_in_a_collective" in err and "in spinning" in err   # faulthandler's stacks
+    assert "the busiest: python" in lines["rank 1"]   # the spinning thread, by name
+    assert "in waiting_in_a_collective" in err and "in spinning" in err   # the stacks each rank printed
 
 
 def test_a_run_that_finishes_returns_its_status(tmp_path):

@@ -190,8 +190,8 @@ def cmd_main(args) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    from tpfuser.launch import dump_stacks_on_signal
-    dump_stacks_on_signal()   # kill -USR1: where this process (a rank) is
+    from tpfuser.launch import arm_stack_dumps
+    arm_stack_dumps()   # where this process (a rank) is: kill -USR1, or before its run's bound
     parser = ArgParser(prog="tpfuser", description="Megatron-style sharded GPT block in nvFuser")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn, hlp in (("show", cmd_show, "print the fusion definition"),

@@ -23,17 +23,28 @@ TIMEOUT_VAR = "TPFUSER_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
 # Between SIGTERM and SIGKILL: time for torchrun to stop its ranks and NCCL to let go.
 GRACE_S = 10.0
-# Asks a rank for its Python stacks (dump_stacks_on_signal); run_bounded sends it
-# to every rank of a run past its bound, after measuring their CPU over WATCH_S.
-STACKS_SIGNAL = signal.SIGUSR1
+# A run past its bound: run_bounded measures each rank's CPU over WATCH_S before
+# ending it; each rank has printed its Python stacks a little before (arm_stack_dumps).
 WATCH_S = 2.0
 
 
-def dump_stacks_on_signal() -> None:
-    """Have STACKS_SIGNAL print every thread's Python stack to stderr (a rank
-    that seems stuck can be asked where it is: `kill -USR1 PID`)."""
+def stacks_due_s(bound_s: float) -> float:
+    """When a rank of a run bounded by bound_s prints its stacks: 20 s before the
+    bound, or a quarter of it before for a short one."""
+    return bound_s - min(20.0, bound_s / 4)
+
+
+def arm_stack_dumps() -> None:
+    """Where this process is, on request and before it is ended: SIGUSR1 prints
+    every thread's Python stack to stderr (`kill -USR1 PID`), and a rank of a
+    bounded run (RANK and TPFUSER_TIMEOUT_S set by the launcher) prints them by
+    itself at stacks_due_s (faulthandler's watchdog thread: no signal needed,
+    which a library may have taken)."""
     import faulthandler
-    faulthandler.register(STACKS_SIGNAL, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if "RANK" in os.environ and TIMEOUT_VAR in os.environ:
+        faulthandler.dump_traceback_later(stacks_due_s(run_timeout_s()), exit=False)
+
 
 def torchrun_command(layout: Layout, argv: list[str], environ: dict[str, str],
                      shared_gpus: int = 0) -> tuple[list[str], dict[str, str]]:
@@ -101,15 +112,34 @@ def _tree(root: int) -> dict[int, str]:
     return found
 
 
-def _cpu_s(pid: int) -> float | None:
-    """CPU seconds (user and system) pid has used, from /proc; None if it is gone."""
+def _stat_cpu_s(path: str) -> float | None:
+    """CPU seconds (user and system) of a /proc stat file's process or thread; None if it is gone."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(path) as f:
             stat = f.read()
     except OSError:
         return None
     fields = stat[stat.rindex(")") + 2:].split()   # fields[0] is stat's 3rd (state): utime the 14th, stime the 15th
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _threads_cpu_s(pid: int) -> dict[int, tuple[str, float]]:
+    """tid -> (thread name, CPU seconds) of every thread of pid, from /proc."""
+    threads = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return threads
+    for tid in tids:
+        used = _stat_cpu_s(f"/proc/{pid}/task/{tid}/stat")
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue
+        if used is not None:
+            threads[int(tid)] = (name, used)
+    return threads
 
 
 def _rank_of(pid: int) -> str | None:
@@ -123,24 +153,22 @@ def _rank_of(pid: int) -> str | None:
 
 
 def _report_ranks(tracked: dict[int, str], watch_s: float) -> None:
-    """For each rank of a run past its bound: the CPU it used over watch_s (busy:
-    compiling or spinning; near 0: waiting, in a collective most likely), then
-    its Python stacks, asked for with STACKS_SIGNAL (they go to its own stderr)."""
+    """For each rank of a run past its bound: the CPU it used over watch_s and
+    its busiest threads by name (compiling or spinning; near 0: waiting, in a
+    collective most likely). Its Python stacks are in its output (arm_stack_dumps)."""
     ranks = {pid: _rank_of(pid) for pid in _alive(tracked)}
     ranks = {pid: rank for pid, rank in ranks.items() if rank is not None}
-    before = {pid: _cpu_s(pid) for pid in ranks}
+    before = {pid: _threads_cpu_s(pid) for pid in ranks}
     time.sleep(watch_s)
     for pid, rank in sorted(ranks.items(), key=lambda kv: int(kv[1]) if kv[1].isdigit() else -1):
-        used = _cpu_s(pid)
-        if used is None or before[pid] is None:
+        after = _threads_cpu_s(pid)
+        if not after:
             continue
-        print(f"rank {rank} (pid {pid}): {used - before[pid]:.1f} s of CPU in the last {watch_s:g} s; "
-              f"its Python stacks follow in its output", file=sys.stderr, flush=True)
-        try:
-            os.kill(pid, STACKS_SIGNAL)
-        except ProcessLookupError:
-            pass
-        time.sleep(0.3)   # one rank's stacks written before the next's: not interleaved
+        used = {tid: (name, cpu - before[pid].get(tid, (name, 0.0))[1]) for tid, (name, cpu) in after.items()}
+        busiest = sorted(used.values(), key=lambda nc: -nc[1])[:4]
+        print(f"rank {rank} (pid {pid}): {sum(c for _, c in used.values()):.1f} s of CPU in the last {watch_s:g} s "
+              f"over {len(after)} threads, the busiest: " + ", ".join(f"{n} {c:.1f}" for n, c in busiest)
+              + "; its Python stacks are in its output, above", file=sys.stderr, flush=True)
 
 
 def _signal_all(root: int, tracked: dict[int, str], sig) -> None:
