@@ -18,7 +18,10 @@ def test_there_are_committed_reports():
 @pytest.mark.parametrize("path", REPORTS)
 def test_committed_reports_follow_the_schema(path):
     rep = validate_report(json.load(open(path)))
-    assert "eager" in rep["results"] and rep["results"]["eager"]["ratio_to_eager"] == 1.0
+    if "eager" in rep["results"]:   # (--impl may leave it out: run 37's gpt3)
+        assert rep["results"]["eager"]["ratio_to_eager"] == 1.0
+    else:
+        assert not any("ratio_to_eager" in r for r in rep["results"].values())
     extra = (len(rep.get("failed", {})) + sum("profile" in r for r in rep["results"].values())
              + bool(rep.get("best_peer")))   # the line naming the fastest peer
     assert format_table(rep).count("\n") == len(rep["results"]) + 1 + extra

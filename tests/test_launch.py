@@ -198,8 +198,7 @@ def test_a_run_past_its_bound_says_what_each_rank_was_doing(tmp_path, monkeypatc
     monkeypatch.setattr(launch, "WATCH_S", 1.0)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # bound 10 s: time for the ranks to import torch (3 s here) and be where they stay; stacks at 7.5 s
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-           "TPFUSER_TIMEOUT_S": "10"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     env.pop("RANK", None)
     assert launch.stacks_due_s(10) == 7.5 and launch.stacks_due_s(600) == 580
     assert launch.run_bounded([sys.executable, str(tmp_path / "launcher.py"), str(tmp_path / "rank.py")], env, 10) is None
@@ -209,6 +208,7 @@ def test_a_run_past_its_bound_says_what_each_rank_was_doing(tmp_path, monkeypatc
     used = {r: float(line.split("): ")[1].split(" s of CPU")[0]) for r, line in lines.items()}
     assert used["rank 0"] < 0.2 and used["rank 1"] > 0.5, used
     assert "the busiest: python" in lines["rank 1"]   # the spinning thread, by name
+    assert "waiting" in lines["rank 0"] and "waiting" not in lines["rank 1"]
     assert "in waiting_in_a_collective" in err and "in spinning" in err   # the stacks each rank printed
 
 

@@ -64,8 +64,9 @@ for which in ("nanogpt", "gpt3", "nanogpt_train"):
             ("reserved_mib", "held"))
             if r.get(key) is not None and r[key] == r[key] and not (key == "peak_mib_above_baseline" and r[key] == 0))
         rows.append((f"bench {which} {'fwd+bwd' if 'train' in which else 'fwd'} {name}",
-                     f"{r['median_ms']:.3f} ms, x{r.get('ratio_to_eager', 0):.2f} eager, "
-                     f"{r['fraction_of_matmul_rate']:.2f} of floor ({b['compute_floor_ms']:.3f} ms){mem}"))
+                     f"{r['median_ms']:.3f} ms, "
+                     + (f"x{r['ratio_to_eager']:.2f} eager, " if "ratio_to_eager" in r else "")   # (--impl without eager)
+                     + f"{r['fraction_of_matmul_rate']:.2f} of floor ({b['compute_floor_ms']:.3f} ms){mem}"))
         if "profile" in r:
             p = r["profile"]
             rows.append((f"  {name}: where the time goes", f"{p['kernels_per_call']:.0f} kernels, GPU busy "

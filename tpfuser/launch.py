@@ -24,26 +24,27 @@ DEFAULT_TIMEOUT_S = 600.0
 # Between SIGTERM and SIGKILL: time for torchrun to stop its ranks and NCCL to let go.
 GRACE_S = 10.0
 # A run past its bound: run_bounded measures each rank's CPU over WATCH_S before
-# ending it; each rank has printed its Python stacks a little before (arm_stack_dumps).
+# ending it; each rank prints its Python stacks a little before (arm_stack_dumps),
+# at the time run_bounded puts in STACKS_AT_VAR (seconds since the epoch).
 WATCH_S = 2.0
+STACKS_AT_VAR = "TPFUSER_STACKS_AT"
 
 
 def stacks_due_s(bound_s: float) -> float:
-    """When a rank of a run bounded by bound_s prints its stacks: 20 s before the
-    bound, or a quarter of it before for a short one."""
+    """When, after a bounded run starts, its ranks print their stacks: 20 s
+    before the bound, or a quarter of it before for a short one."""
     return bound_s - min(20.0, bound_s / 4)
 
 
 def arm_stack_dumps() -> None:
     """Where this process is, on request and before it is ended: SIGUSR1 prints
     every thread's Python stack to stderr (`kill -USR1 PID`), and a rank of a
-    bounded run (RANK and TPFUSER_TIMEOUT_S set by the launcher) prints them by
-    itself at stacks_due_s (faulthandler's watchdog thread: no signal needed,
-    which a library may have taken)."""
+    run_bounded run (RANK and STACKS_AT_VAR set) prints them by itself then
+    (faulthandler's watchdog thread: no signal, which a library may have taken)."""
     import faulthandler
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    if "RANK" in os.environ and TIMEOUT_VAR in os.environ:
-        faulthandler.dump_traceback_later(stacks_due_s(run_timeout_s()), exit=False)
+    if "RANK" in os.environ and STACKS_AT_VAR in os.environ:
+        faulthandler.dump_traceback_later(max(1.0, float(os.environ[STACKS_AT_VAR]) - time.time()), exit=False)
 
 
 def torchrun_command(layout: Layout, argv: list[str], environ: dict[str, str],
@@ -154,8 +155,8 @@ def _rank_of(pid: int) -> str | None:
 
 def _report_ranks(tracked: dict[int, str], watch_s: float) -> None:
     """For each rank of a run past its bound: the CPU it used over watch_s and
-    its busiest threads by name (compiling or spinning; near 0: waiting, in a
-    collective most likely). Its Python stacks are in its output (arm_stack_dumps)."""
+    its busiest threads by name (busy: compiling or spinning; near 0: waiting).
+    Ranks have printed their Python stacks a little before (arm_stack_dumps)."""
     ranks = {pid: _rank_of(pid) for pid in _alive(tracked)}
     ranks = {pid: rank for pid, rank in ranks.items() if rank is not None}
     before = {pid: _threads_cpu_s(pid) for pid in ranks}
@@ -166,9 +167,10 @@ def _report_ranks(tracked: dict[int, str], watch_s: float) -> None:
             continue
         used = {tid: (name, cpu - before[pid].get(tid, (name, 0.0))[1]) for tid, (name, cpu) in after.items()}
         busiest = sorted(used.values(), key=lambda nc: -nc[1])[:4]
-        print(f"rank {rank} (pid {pid}): {sum(c for _, c in used.values()):.1f} s of CPU in the last {watch_s:g} s "
-              f"over {len(after)} threads, the busiest: " + ", ".join(f"{n} {c:.1f}" for n, c in busiest)
-              + "; its Python stacks are in its output, above", file=sys.stderr, flush=True)
+        total = sum(c for _, c in used.values())
+        print(f"rank {rank} (pid {pid}): {total:.1f} s of CPU in the last {watch_s:g} s over {len(after)} threads, "
+              f"the busiest: " + ", ".join(f"{n} {c:.1f}" for n, c in busiest)
+              + (" (waiting, in a collective most likely)" if total < 0.1 * watch_s else ""), file=sys.stderr, flush=True)
 
 
 def _signal_all(root: int, tracked: dict[int, str], sig) -> None:
@@ -214,12 +216,13 @@ def _end_all(proc: subprocess.Popen, grace_s: float) -> None:
 
 def run_bounded(cmd: list[str], env: dict[str, str], timeout_s: float, grace_s: float | None = None) -> int | None:
     """Run cmd in a session (and process group) of its own; its exit status, or
-    None when it ran past timeout_s: then it says what each rank was doing
-    (_report_ranks) and is ended with its group and every process it started
+    None when it ran past timeout_s: then its ranks have printed their stacks
+    (STACKS_AT_VAR), it says what each was doing (_report_ranks), and it is ended with its group and every process it started
     (torchrun's ranks run in sessions of their own), so that none is left
     holding a GPU. Ctrl-C ends them too. grace_s: between SIGTERM and SIGKILL
     (GRACE_S)."""
     grace_s = GRACE_S if grace_s is None else grace_s
+    env = {**env, STACKS_AT_VAR: f"{time.time() + stacks_due_s(timeout_s):.1f}"}
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
         return proc.wait(timeout=timeout_s)
