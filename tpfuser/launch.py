@@ -42,9 +42,15 @@ def arm_stack_dumps() -> None:
     run_bounded run (RANK and STACKS_AT_VAR set) prints them by itself then
     (faulthandler's watchdog thread: no signal, which a library may have taken)."""
     import faulthandler
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    stderr = sys.__stderr__   # the process's own, not a replacement without a file descriptor (pytest's)
+    try:
+        stderr.fileno()
+    except (AttributeError, OSError, ValueError):   # no stderr to write to: nothing to arm
+        return
+    faulthandler.register(signal.SIGUSR1, file=stderr, all_threads=True)
     if "RANK" in os.environ and STACKS_AT_VAR in os.environ:
-        faulthandler.dump_traceback_later(max(1.0, float(os.environ[STACKS_AT_VAR]) - time.time()), exit=False)
+        faulthandler.dump_traceback_later(max(1.0, float(os.environ[STACKS_AT_VAR]) - time.time()),
+                                          file=stderr, exit=False)
 
 
 def torchrun_command(layout: Layout, argv: list[str], environ: dict[str, str],
