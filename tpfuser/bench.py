@@ -290,7 +290,8 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
                 print(f"\r  {i + 1}/{iters} rounds ({time.time() - t0:.0f} s)", end="", file=sys.stderr, flush=True)
         if progress:
             print(file=sys.stderr)
-        phase("profiling" if profile else "timed")
+        if profile:
+            phase("profiling")
         kernels = {name: profile_kernels(fn, CALLS_PER_SAMPLE) for name, fn in fns.items()} if profile else {}
     times = _slowest_rank(times, layout.world_size)
     phase("the floor's matmul rate")
@@ -379,7 +380,7 @@ def _work_fn(cfg, ref, attention: bool):
     """The block's four linears alone (the floor's GEMMs: its weights, no bias,
     on random activations of their input shapes), and with `attention` its
     causal attention too (SDPA with the block's dropout, on random q, k, v):
-    the least any implementation that leaves nothing else unfused must run."""
+    work every implementation runs, whatever else it fuses or not."""
     b, s, h, d = cfg.batch, cfg.seq, cfg.n_head, cfg.head_dim
     linears = [ref.attn.c_attn, ref.attn.c_proj, ref.mlp.c_fc, ref.mlp.c_proj]
     gen = torch.Generator("cuda").manual_seed(1)

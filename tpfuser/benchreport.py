@@ -37,7 +37,7 @@ def validate_report(rep: dict) -> dict:
 def add_ratios(rows: dict) -> str | None:
     """Each row's median as a ratio to eager's and to the fastest peer's (what a
     user would pick instead of tpfuser: every implementation not nvfuser*, nor
-    a part of the block's work timed alone, bench.WORK_ONLY).
+    a part of the block's work timed alone, WORK_ONLY).
     Returns that peer's name, or None without peers."""
     if "eager" in rows:
         for r in rows.values():
