@@ -168,14 +168,17 @@ def test_timeout_ends_every_rank(tmp_path, monkeypatch, capsys):
 
 
 # A launcher with two ranks that never end: rank 0 waits in a function named so
-# (as in a collective), rank 1 spins; each arms its stack dumps as tpfuser's
-# entry points do. The launcher itself is no rank (no RANK).
+# (as in a collective) with its stdout and stderr pointed at a file, as
+# commlog.captured_communications does while nvFuser runs; rank 1 spins. Each
+# arms its stack dumps as tpfuser's entry points do. The launcher is no rank (no RANK).
 RANK_PROGRAM = r"""
-import sys, time
+import os, sys, tempfile, time
 from tpfuser.launch import arm_stack_dumps
 arm_stack_dumps()
 def waiting_in_a_collective():
-    time.sleep(600)
+    with tempfile.TemporaryFile() as log:
+        os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
+        time.sleep(600)
 def spinning():
     while True:
         pass

@@ -28,6 +28,7 @@ GRACE_S = 10.0
 # at the time run_bounded puts in STACKS_AT_VAR (seconds since the epoch).
 WATCH_S = 2.0
 STACKS_AT_VAR = "TPFUSER_STACKS_AT"
+_STACKS_FD: int | None = None   # where the stacks go: stderr as it was when first armed
 
 
 def stacks_due_s(bound_s: float) -> float:
@@ -42,15 +43,18 @@ def arm_stack_dumps() -> None:
     run_bounded run (RANK and STACKS_AT_VAR set) prints them by itself then
     (faulthandler's watchdog thread: no signal, which a library may have taken)."""
     import faulthandler
-    stderr = sys.__stderr__   # the process's own, not a replacement without a file descriptor (pytest's)
-    try:
-        stderr.fileno()
-    except (AttributeError, OSError, ValueError):   # no stderr to write to: nothing to arm
-        return
-    faulthandler.register(signal.SIGUSR1, file=stderr, all_threads=True)
+    global _STACKS_FD
+    if _STACKS_FD is None:
+        try:   # the process's own stderr (not a replacement without a descriptor: pytest's), duplicated:
+            # commlog.captured_communications points descriptor 2 at a file while nvFuser runs, and
+            # a rank ended there would leave its stacks in that file (runs 35 and 37 printed none)
+            _STACKS_FD = os.dup(sys.__stderr__.fileno())
+        except (AttributeError, OSError, ValueError):   # no stderr to write to: nothing to arm
+            return
+    faulthandler.register(signal.SIGUSR1, file=_STACKS_FD, all_threads=True)
     if "RANK" in os.environ and STACKS_AT_VAR in os.environ:
         faulthandler.dump_traceback_later(max(1.0, float(os.environ[STACKS_AT_VAR]) - time.time()),
-                                          file=stderr, exit=False)
+                                          file=_STACKS_FD, exit=False)
 
 
 def torchrun_command(layout: Layout, argv: list[str], environ: dict[str, str],
