@@ -1,5 +1,6 @@
 """PNG of benchmark reports (tpfuser.bench JSON): median time per implementation,
-one panel per report, the compute floor dashed; or, when the reports are of
+one panel per report, the compute floor dashed, the block's work timed alone
+(gemms, gemms+attention) hatched; or, when the reports are of
 several meshes, time against tp, a line per implementation, a panel per
 (preset, pass)."""
 
@@ -15,12 +16,15 @@ def plot_reports(reports: list[dict], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from tpfuser.benchreport import WORK_ONLY
 
     fig, axes = plt.subplots(1, len(reports), figsize=(4.2 * len(reports), 3.4), squeeze=False)
     for ax, rep in zip(axes[0], reports):
         names = list(rep["results"])
         ms = [rep["results"][n]["median_ms"] for n in names]
-        bars = ax.bar(range(len(names)), ms, color=["#76b900" if n.startswith("nvfuser") else "#8c8c8c" for n in names])
+        bars = ax.bar(range(len(names)), ms, color=["#76b900" if n.startswith("nvfuser") else "white" if n in WORK_ONLY
+                                                    else "#8c8c8c" for n in names],
+                      edgecolor="#8c8c8c", hatch=["//" if n in WORK_ONLY else "" for n in names])   # parts, not peers
         for bar, n in zip(bars, names):
             ratio = rep["results"][n].get("ratio_to_eager")
             if ratio is not None:
