@@ -52,9 +52,12 @@ def arm_stack_dumps() -> None:
         except (AttributeError, OSError, ValueError):   # no stderr to write to: nothing to arm
             return
     faulthandler.register(signal.SIGUSR1, file=_STACKS_FD, all_threads=True)
-    if "RANK" in os.environ and STACKS_AT_VAR in os.environ:
-        faulthandler.dump_traceback_later(max(1.0, float(os.environ[STACKS_AT_VAR]) - time.time()),
-                                          file=_STACKS_FD, exit=False)
+    try:
+        at = float(os.environ[STACKS_AT_VAR]) if "RANK" in os.environ else None
+    except (KeyError, ValueError):   # not a rank of run_bounded's (the variable is ours, set there)
+        at = None
+    if at is not None:
+        faulthandler.dump_traceback_later(max(1.0, at - time.time()), file=_STACKS_FD, exit=False)
 
 
 def torchrun_command(layout: Layout, argv: list[str], environ: dict[str, str],
