@@ -377,8 +377,8 @@ def _forward_fns(cfg, ref, x, impls, layout, rank, groups):
 
 
 def _work_fn(cfg, ref, attention: bool):
-    """The block's four linears alone (the floor's GEMMs: its weights, no bias,
-    on random activations of their input shapes), and with `attention` its
+    """The block's four linears alone (the floor's GEMM shapes, on the block's
+    weights, no bias, and random activations), and with `attention` its
     causal attention too (SDPA with the block's dropout, on random q, k, v):
     work every implementation runs, whatever else it fuses or not."""
     b, s, h, d = cfg.batch, cfg.seq, cfg.n_head, cfg.head_dim

@@ -94,20 +94,25 @@ def run_timeout_s() -> float:
     return value
 
 
+def _stat_fields(path: str) -> list[str] | None:
+    """A /proc stat file's fields after "pid (comm) ": [0] state (stat's 3rd),
+    [1] parent pid, [2] process group, [11] and [12] user and system CPU ticks,
+    [19] start time; None if the process or thread is gone."""
+    try:
+        with open(path) as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()
+
+
 def _processes() -> dict[int, tuple[int, int, str, str]]:
     """pid -> (parent pid, process group, state, start time) of every process, from
     Linux's /proc; empty elsewhere."""
     table = {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:   # ended meanwhile
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()   # after "pid (comm) ": state, ppid, pgrp, ...
-        table[int(entry)] = (int(fields[1]), int(fields[2]), fields[0], fields[19])
+        if entry.isdigit() and (fields := _stat_fields(f"/proc/{entry}/stat")) is not None:   # (or ended meanwhile)
+            table[int(entry)] = (int(fields[1]), int(fields[2]), fields[0], fields[19])
     return table
 
 
@@ -126,17 +131,6 @@ def _tree(root: int) -> dict[int, str]:
     return found
 
 
-def _stat_cpu_s(path: str) -> float | None:
-    """CPU seconds (user and system) of a /proc stat file's process or thread; None if it is gone."""
-    try:
-        with open(path) as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()   # fields[0] is stat's 3rd (state): utime the 14th, stime the 15th
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _threads_cpu_s(pid: int) -> dict[int, tuple[str, float]]:
     """tid -> (thread name, CPU seconds) of every thread of pid, from /proc."""
     threads = {}
@@ -145,14 +139,14 @@ def _threads_cpu_s(pid: int) -> dict[int, tuple[str, float]]:
     except OSError:
         return threads
     for tid in tids:
-        used = _stat_cpu_s(f"/proc/{pid}/task/{tid}/stat")
+        fields = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
         try:
             with open(f"/proc/{pid}/task/{tid}/comm") as f:
                 name = f.read().strip()
         except OSError:
             continue
-        if used is not None:
-            threads[int(tid)] = (name, used)
+        if fields is not None:
+            threads[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
     return threads
 
 
@@ -230,9 +224,10 @@ def _end_all(proc: subprocess.Popen, grace_s: float) -> None:
 def run_bounded(cmd: list[str], env: dict[str, str], timeout_s: float, grace_s: float | None = None) -> int | None:
     """Run cmd in a session (and process group) of its own; its exit status, or
     None when it ran past timeout_s: then its ranks have printed their stacks
-    (STACKS_AT_VAR), it says what each was doing (_report_ranks), and it is ended with its group and every process it started
-    (torchrun's ranks run in sessions of their own), so that none is left
-    holding a GPU. Ctrl-C ends them too. grace_s: between SIGTERM and SIGKILL
+    (STACKS_AT_VAR), it says what each was doing (_report_ranks), and it is
+    ended with its group and every process it started (torchrun's ranks run in
+    sessions of their own), so that none is left holding a GPU. Ctrl-C ends
+    them too. grace_s: between SIGTERM and SIGKILL
     (GRACE_S)."""
     grace_s = GRACE_S if grace_s is None else grace_s
     env = {**env, STACKS_AT_VAR: f"{time.time() + stacks_due_s(timeout_s):.1f}"}
