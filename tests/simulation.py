@@ -14,8 +14,9 @@ import math
 import torch
 
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.reference import LN_EPS, PARAM_NAMES, gelu_tanh
-from tpfuser.shard import fusion_params, rank_params
+from tpfuser.block.tensors import LN_EPS, PARAM_NAMES
+from tpfuser.verify.reference import gelu_tanh
+from tpfuser.parallel.shard import fusion_params, rank_params
 
 
 class Collectives:

@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from tpfuser.config import Layout, preset
-from tpfuser.dropout import keep_threshold
-from tpfuser.plan import DP, PARAM_PLACEMENTS, placements
-from tpfuser.reference import PARAM_NAMES, make_block, make_input
-from tpfuser.shard import fusion_params, local_slice
+from tpfuser.block.dropout import keep_threshold
+from tpfuser.parallel.placements import DP, PARAM_PLACEMENTS, placements
+from tpfuser.block.tensors import PARAM_NAMES
+from tpfuser.verify.reference import make_block, make_input
+from tpfuser.parallel.shard import fusion_params, local_slice
 from tests.simulation import simulate_backward, simulate_forward
 
 from tests.test_fusion import MESH_IDS, MESHES  # noqa: E402  (TP and SP meshes)
@@ -60,48 +61,75 @@ def test_backward_simulation_is_sensitive():
     assert rel(gx[0], gx_ref) > 1e-3
 
 
+def saved_shapes(cfg):
+    """What the training forward saves, name -> global shape (tensors.saved; was fusion.saved_shapes)."""
+    from tpfuser.block.tensors import saved
+    return {t.name: list(t.shape(cfg)) for t in saved(cfg)}
+
+
+# The linears' biases: their gradients are row sums of the upstream gradient,
+# so the backward never read them; it no longer takes them as inputs.
+UNREAD_BIASES = ("attn.c_attn.bias", "attn.c_proj.bias", "mlp.c_fc.bias", "mlp.c_proj.bias")
+
+
 @pytest.mark.parametrize("layout", MESHES, ids=MESH_IDS)
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_backward_builds_and_is_sharded_as_planned(layout, dtype):
-    from tpfuser.fusion import backward_output_names, build_backward, build_forward, loop_sharding, saved_names
-    from tests.test_fusion import expected_loop, mesh_text
+    """Under both schedules (tests.test_fusion.schedules_for): the single fusion's
+    inputs and outputs in order; every fusion's tensors sharded as planned."""
+    from tpfuser.block.backward import backward_output_names
+    from tpfuser.block.forward import saved_names
+    from tpfuser.block.tensors import BY_NAME, param_shapes
+    from tpfuser.parallel.schedule import build_backward, build_forward, loop_sharding
+    from tests.test_fusion import expected_loop, mesh_text, named_tensors, schedules_for
     cfg = preset("tiny", dtype=dtype)
-    bf = build_backward(cfg, layout)
-    assert list(bf.outputs) == backward_output_names() == ["grad_x", *[f"grad.{n}" for n in PARAM_NAMES]]
-    assert list(bf.inputs) == ["grad_out", "x", *PARAM_NAMES, *saved_names(cfg)]
-    ff = build_forward(cfg, layout, train=True)
-    assert list(ff.outputs) == ["out", *saved_names(cfg)]
-    from tpfuser.fusion import saved_shapes
-    from tpfuser.reference import param_shapes
     shapes = {**param_shapes(cfg), **saved_shapes(cfg), **{f"grad.{n}": v for n, v in param_shapes(cfg).items()},
               "x": (4, 16, 64), "grad_out": (4, 16, 64), "grad_x": (4, 16, 64)}
-    intermediates = ("g.mlp.c_proj.out", "g.attn.c_proj.out", "ln_2.out", "ln_1.out", "g.ln_2.out", "g.ln_1.out")
+    # (the recomputed LayerNorm outputs are ln_N.out.whole: ln_N.out is now the forward's cut-point tensor)
+    intermediates = ("g.mlp.c_proj.out", "g.attn.c_proj.out", "ln_2.out.whole", "ln_1.out.whole", "g.ln_2.out",
+                     "g.ln_1.out")
     shapes |= {name: (4, 16, 64) for name in intermediates}
-    assert sorted(bf.intermediates) == sorted(intermediates)
-    for name, tv in ff.outputs.items():
-        if name != "out":
-            assert loop_sharding(tv) == (mesh_text(layout), expected_loop(shapes[name], placements(layout)[name], layout)), name
-    # The backward runs on dp rank 0's tp row (a 1-D mesh) on its b/dp rows: no dp split.
-    row_mesh = "DeviceMesh{" + " ".join(str(i) for i in range(layout.tp)) + "}"
-    for name, tv in {**bf.inputs, **bf.outputs, **bf.intermediates}.items():
-        placement = placements(layout)[name]
-        shape = list(shapes[name])
-        if placement.get(0) == DP:
-            shape[0] //= layout.dp
-        expected = expected_loop(shape, {d: a for d, a in placement.items() if a != DP}, layout)
-        assert loop_sharding(tv) == (row_mesh, expected), name
+    inputs = ["grad_out", "x", *[n for n in PARAM_NAMES if n not in UNREAD_BIASES], *saved_names(cfg)]
+    for schedule in schedules_for(layout):
+        bf = build_backward(cfg, layout, schedule=schedule)
+        ff = build_forward(cfg, layout, train=True, schedule=schedule)
+        assert sorted(bf.outputs) == sorted(backward_output_names())
+        assert sorted(bf.inputs) == sorted(inputs)
+        if len(bf.pieces) == 1:   # the single fusion, in its order
+            assert list(bf.outputs) == backward_output_names() == ["grad_x", *[f"grad.{n}" for n in PARAM_NAMES]]
+            assert list(bf.inputs) == inputs
+        assert list(ff.outputs) == ["out", *saved_names(cfg)]
+        assert sorted(name for piece in bf.pieces for name in piece.placed) == sorted(intermediates)
+        forward = named_tensors(ff)
+        for name in ff.outputs:
+            if name != "out":
+                assert loop_sharding(forward[name]) == (mesh_text(layout), expected_loop(
+                    shapes[name], placements(layout)[name], layout)), name
+        # The backward runs on dp rank 0's tp row (a 1-D mesh) on its b/dp rows: no dp split.
+        row_mesh = "DeviceMesh{" + " ".join(str(i) for i in range(layout.tp)) + "}"
+        named = {**named_tensors(bf), **{n: tv for piece in bf.pieces for n, tv in piece.placed.items()}}
+        for name, tv in named.items():
+            placement = placements(layout)[name]
+            shape = list(shapes[name] if name in shapes else BY_NAME[name].shape(cfg))   # (the cut points' tensors)
+            if placement.get(0) == DP:
+                shape[0] //= layout.dp
+            expected = expected_loop(shape, {d: a for d, a in placement.items() if a != DP}, layout)
+            assert loop_sharding(tv) == (row_mesh, expected), (schedule.name, name)
 
 
 def test_backward_runs_on_the_ranks_tp_row():
     """The backward of dp rank r: a 1-D mesh of that row's tp devices, b/dp rows, no dp split."""
-    from tpfuser.fusion import build_backward, loop_sharding
+    from tpfuser.parallel.schedule import build_backward, loop_sharding
+    from tests.test_fusion import named_tensors, schedules_for
     cfg = preset("tiny")
-    row1 = build_backward(cfg, Layout(2, 2), dp_rank=1)
-    mesh, axes = loop_sharding(row1.inputs["q"])
-    assert mesh == "DeviceMesh{2 3}" and axes == [("", 2), ("mesh_x", 2), ("", 4), ("", 16), ("", 8)]   # [b/dp, h, s, d]
-    assert loop_sharding(row1.outputs["grad.mlp.c_fc.weight"]) == ("DeviceMesh{2 3}", [("mesh_x", 2), ("", 128), ("", 64)])
-    row0 = build_backward(cfg, Layout(2, 2), dp_rank=0)   # kept: its TensorViews die with it
-    assert loop_sharding(row0.inputs["x"])[0] == "DeviceMesh{0 1}"
+    for schedule in schedules_for(Layout(2, 2)):
+        built = build_backward(cfg, Layout(2, 2), dp_rank=1, schedule=schedule)   # kept: its TensorViews die with it
+        row1 = named_tensors(built)
+        mesh, axes = loop_sharding(row1["q"])
+        assert mesh == "DeviceMesh{2 3}" and axes == [("", 2), ("mesh_x", 2), ("", 4), ("", 16), ("", 8)]   # [b/dp, h, s, d]
+        assert loop_sharding(row1["grad.mlp.c_fc.weight"]) == ("DeviceMesh{2 3}", [("mesh_x", 2), ("", 128), ("", 64)])
+        built0 = build_backward(cfg, Layout(2, 2), dp_rank=0, schedule=schedule)
+        assert loop_sharding(named_tensors(built0)["x"])[0] == "DeviceMesh{0 1}"
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
@@ -127,31 +155,46 @@ def test_sp_simulation_needs_the_tp_all_reduce_of_partial_grads():
 def test_fp32_backward_takes_the_masks_and_recomputes_attention_once():
     """The forward draws each mask once (two residual, one attention) and saves it;
     the backward takes them as bool inputs and draws none. The probabilities are
-    computed once: 8 matmuls of linear gradients, q k^T, probs v, and 4 of the attention backward."""
-    from tpfuser.fusion import build_backward, build_forward, fusion_text
+    computed once: 8 matmuls of linear gradients, q k^T, probs v, and 4 of the attention backward
+    (counted over all the pass's fusions, under both schedules)."""
+    from tpfuser.parallel.schedule import build_backward, build_forward
+    from tests.test_fusion import named_tensors, schedules_for
     cfg = preset("tiny", dtype="fp32")
-    bf = build_backward(cfg, Layout(1, 1))
-    assert fusion_text(build_forward(cfg, Layout(1, 1), train=True)).count(f"< {keep_threshold(0.1)}") == 3
-    text = fusion_text(bf)
-    assert f"< {keep_threshold(0.1)}" not in text
-    for name in ("resid_attn_keep", "resid_mlp_keep", "attn_keep"):
-        assert "_g_bool[" in str(bf.inputs[name]), name
-    assert text.count("= matmul(") == 14
+    for schedule in schedules_for(Layout(1, 1)):
+        bf = build_backward(cfg, Layout(1, 1), schedule=schedule)
+        assert build_forward(cfg, Layout(1, 1), train=True, schedule=schedule).text().count(
+            f"< {keep_threshold(0.1)}") == 3
+        text = bf.text()
+        assert f"< {keep_threshold(0.1)}" not in text
+        inputs = named_tensors(bf)
+        for name in ("resid_attn_keep", "resid_mlp_keep", "attn_keep"):
+            assert "_g_bool[" in str(inputs[name]), name
+        assert text.count("= matmul(") == 14, schedule.name
 
 
 def test_backward_subset_keeps_only_what_its_outputs_need():
     """define_backward(outputs=...) for bisecting: the MLP's c_proj bias gradient
-    needs no matmul (c_fc's bias does); unknown names are refused."""
-    from tpfuser.fusion import backward_output_names, build_backward, fusion_text
+    needs no matmul (c_fc's bias does); unknown names are refused. Under the
+    single-fusion schedule: a cut pass's earlier fusion returns what crosses
+    its cut (the residual gradient, through every matmul of the MLP) whatever
+    the outputs asked."""
+    from tpfuser.block.backward import backward_output_names
+    from tpfuser.parallel.schedule import build_backward
+    from tests.test_fusion import schedules_for
     cfg = preset("tiny", dtype="fp32")
-    bias = build_backward(cfg, Layout(1, 1), outputs=["grad.mlp.c_proj.bias"])
+    bias = build_backward(cfg, Layout(1, 1), outputs=["grad.mlp.c_proj.bias"], schedule="megatron-whole")
     assert list(bias.outputs) == ["grad.mlp.c_proj.bias"]
-    text = fusion_text(bias)
+    text = bias.text()
     assert "matmul(" not in text
-    assert "matmul(" in fusion_text(build_backward(cfg, Layout(1, 1), outputs=["grad.mlp.c_fc.bias"]))   # through c_proj
-    assert list(build_backward(cfg).outputs) == backward_output_names()
-    with pytest.raises(ValueError, match="grad.nope"):
-        build_backward(cfg, outputs=["grad.nope"])
+    assert "matmul(" in build_backward(cfg, Layout(1, 1), outputs=["grad.mlp.c_fc.bias"],
+                                       schedule="megatron-whole").text()   # through c_proj
+    assert list(build_backward(cfg, schedule="megatron-whole").outputs) == backward_output_names()
+    assert sorted(build_backward(cfg).outputs) == sorted(backward_output_names())   # the default's, fusion by fusion
+    for schedule in schedules_for(Layout(1, 1)):
+        assert list(build_backward(cfg, Layout(1, 1), outputs=["grad.mlp.c_proj.bias"],
+                                   schedule=schedule).outputs) == ["grad.mlp.c_proj.bias"]
+        with pytest.raises(ValueError, match="grad.nope"):
+            build_backward(cfg, outputs=["grad.nope"], schedule=schedule)
 
 
 def test_backward_reductions_each_reduce_one_axis():
@@ -159,13 +202,15 @@ def test_backward_reductions_each_reduce_one_axis():
     sum over a device-split axis and another axis at once to a wrong-sized copy
     (fusion._sum_rows). Every reduction of the backward reduces a single axis."""
     import re
-    from tpfuser.fusion import build_backward, fusion_text
+    from tpfuser.parallel.schedule import build_backward
+    from tests.test_fusion import schedules_for
     for dtype in ("bf16", "fp32"):
-        lines = fusion_text(build_backward(preset("tiny", dtype=dtype), Layout(1, 1))).splitlines()
-        outputs = [lines[i - 1] for i, ln in enumerate(lines) if ln.strip().startswith("= reduction(")]
-        assert len(outputs) >= 10, dtype    # the bias and LayerNorm sums at least
-        for tv in outputs:
-            assert len(re.findall(r"\br[A-Za-z.]*\d+\{", tv)) == 1, tv
+        for schedule in schedules_for(Layout(1, 1)):   # all the pass's fusions
+            lines = build_backward(preset("tiny", dtype=dtype), Layout(1, 1), schedule=schedule).text().splitlines()
+            outputs = [lines[i - 1] for i, ln in enumerate(lines) if ln.strip().startswith("= reduction(")]
+            assert len(outputs) >= 10, dtype    # the bias and LayerNorm sums at least
+            for tv in outputs:
+                assert len(re.findall(r"\br[A-Za-z.]*\d+\{", tv)) == 1, tv
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
@@ -173,16 +218,21 @@ def test_backward_reads_the_saved_heads_as_the_forward_writes_them(dtype):
     """In bf16 the backward declares q, k, v and the attention output in flash
     attention's layout (b, s, h, d) (the forward writes them so: checked on the
     GPU), every other input contiguous; runtime.laid_out hands them over uncopied."""
-    from tpfuser.fusion import build_backward
-    from tpfuser.runtime import laid_out
+    from tpfuser.parallel.schedule import build_backward
+    from tpfuser.runtime.block import laid_out
+    from tests.test_fusion import schedules_for
     cfg = preset("tiny", dtype=dtype)
-    bf = build_backward(cfg, Layout(1, 2))
-    defined = [line for line in repr(bf.fd).splitlines() if "define_tensor" in line]   # in definition order
-    assert len(defined) == len(bf.inputs)
-    ordered = {name: line.split("stride_order=")[1].rstrip(")") for name, line in zip(bf.inputs, defined)
-               if "stride_order" in line}
-    expected = ["q", "k", "v", "sdpa_out"] if dtype == "bf16" else []
-    assert ordered == {name: "[3, 1, 2, 0]" for name in expected}
+    for schedule in schedules_for(Layout(1, 2)):   # every fusion of the pass, each its own inputs
+        bf = build_backward(cfg, Layout(1, 2), schedule=schedule)
+        ordered = {}
+        for piece in bf.pieces:
+            defined = [line for line in repr(piece.fd).splitlines() if "define_tensor" in line]   # in definition order
+            tensors = [name for name, tv in piece.inputs.items() if tv.is_tensor()]
+            assert len(defined) == len(tensors)
+            ordered |= {name: line.split("stride_order=")[1].rstrip(")") for name, line in zip(tensors, defined)
+                        if "stride_order" in line}
+        expected = ["q", "k", "v", "sdpa_out"] if dtype == "bf16" else []
+        assert ordered == {name: "[3, 1, 2, 0]" for name in expected}
     held = torch.randn(4, 16, 8, 8).permute(0, 2, 1, 3)   # (b, h, s, d) over (b, s, h, d) memory
     assert laid_out(held, (0, 2, 1, 3)).data_ptr() == held.data_ptr()
     moved = laid_out(held.contiguous(), (0, 2, 1, 3))
@@ -197,17 +247,17 @@ def test_backward_inputs_hand_the_saved_heads_over_as_they_lie(dtype, monkeypatc
     want CUDA tensors, stubbed): in bf16 q, k, v and the attention output held
     as (b, s, h, d) pass uncopied; in fp32 they are made contiguous, as the
     fp32 backward declares them."""
-    from tpfuser.fusion import saved_shapes
-    from tpfuser.runtime import ShardedBlock
+    from tpfuser.runtime.block import ShardedBlock
     cfg = preset("tiny", dtype=dtype)
     block = ShardedBlock(cfg, device=torch.device("cpu"))
-    monkeypatch.setattr(block, "_checked_params", lambda params: [])
-    monkeypatch.setattr(block, "_validate_input", lambda name, t: None)
+    monkeypatch.setattr(block, "checked_params", lambda params=None: [])
+    monkeypatch.setattr(block, "validate_input", lambda name, t: None)
     names = block.saved_names()
     saved = [torch.zeros(shape) if len(shape) != 4 else
              torch.zeros(shape[0], shape[2], shape[1], shape[3]).permute(0, 2, 1, 3)   # (b, h, s, d) over (b, s, h, d)
              for shape in saved_shapes(cfg).values()]
-    handed = dict(zip(names, block.backward_inputs(torch.zeros(4, 16, 64), torch.zeros(4, 16, 64), saved)[2:]))
+    inputs = block.backward_inputs(torch.zeros(4, 16, 64), torch.zeros(4, 16, 64), saved)   # by name
+    handed = {name: inputs[name] for name in names}
     heads = [name for name in names if name in ("q", "k", "v", "sdpa_out")]
     assert len(heads) == (4 if dtype == "bf16" else 3)
     for name, t in zip(names, saved):

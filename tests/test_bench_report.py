@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from tpfuser.benchreport import format_table, validate_report
+from tpfuser.bench.report import format_table, validate_report
 
 REPORTS = sorted(glob.glob("results/**/bench_*.json", recursive=True))
 
@@ -28,7 +28,7 @@ def test_committed_reports_follow_the_schema(path):
 
 
 def test_ratios_to_eager_and_the_fastest_peer_and_the_graph_columns():
-    from tpfuser.benchreport import add_ratios
+    from tpfuser.bench.report import add_ratios
     rep = copy.deepcopy(json.load(open(REPORTS[0])))
     rows = {name: {**r, "peak_mib_above_baseline": 1.0, "saved_activation_mib": 2.0} for name, r in rep["results"].items()}
     rows["nvfuser-graph"] = {**rows["eager"], "median_ms": rows["eager"]["median_ms"] / 4, "graph_pool_mib": 3.0,
@@ -50,7 +50,7 @@ def test_ratios_to_eager_and_the_fastest_peer_and_the_graph_columns():
 def test_the_work_timed_alone_is_never_the_peer():
     """gemms and gemms+attention are parts of the block's work, faster than any
     whole block: were they peers, every ratio to the fastest peer would be theirs."""
-    from tpfuser.benchreport import add_ratios
+    from tpfuser.bench.report import add_ratios
     rows = {"eager": {"median_ms": 2.0}, "nvfuser-graph": {"median_ms": 1.5},
             "gemms": {"median_ms": 1.0}, "gemms+attention": {"median_ms": 1.2}}
     assert add_ratios(rows) == "eager"
@@ -58,7 +58,7 @@ def test_the_work_timed_alone_is_never_the_peer():
 
 
 def test_the_work_timed_alone_is_refused_where_it_is_not_the_blocks():
-    from tpfuser.bench import check_impls
+    from tpfuser.bench.impls import check_impls
     from tpfuser.config import Layout
     check_impls(["gemms", "gemms+attention"], Layout())
     with pytest.raises(ValueError, match="'gemms'.*not a training step"):
@@ -81,7 +81,7 @@ def test_schema_errors_name_the_key():
 
 
 def test_plot_writes_a_png(tmp_path):
-    from tpfuser.plot import main
+    from tpfuser.bench.plot import main
     out = tmp_path / "bench.png"
     assert main([str(out), *REPORTS[:2]]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
@@ -90,8 +90,8 @@ def test_plot_writes_a_png(tmp_path):
 def test_plot_against_tp_when_the_reports_span_meshes(tmp_path, monkeypatch):
     """Reports of several tp (made here from a committed one) give a time-against-tp plot."""
     import matplotlib.image
-    import tpfuser.plot
-    from tpfuser.plot import main
+    import tpfuser.bench.plot
+    from tpfuser.bench.plot import main
     rep = json.load(open(REPORTS[0]))
     paths = []
     for tp in (1, 2, 4):
@@ -105,8 +105,8 @@ def test_plot_against_tp_when_the_reports_span_meshes(tmp_path, monkeypatch):
     assert main([str(out), *map(str, paths)]) == 0
     assert matplotlib.image.imread(out).shape[0] > 100
     called = []
-    monkeypatch.setattr(tpfuser.plot, "plot_scaling", lambda reps, path: called.append(("scaling", len(reps))))
-    monkeypatch.setattr(tpfuser.plot, "plot_reports", lambda reps, path: called.append(("bars", len(reps))))
+    monkeypatch.setattr(tpfuser.bench.plot, "plot_scaling", lambda reps, path: called.append(("scaling", len(reps))))
+    monkeypatch.setattr(tpfuser.bench.plot, "plot_reports", lambda reps, path: called.append(("bars", len(reps))))
     main([str(out), *map(str, paths)])
     main([str(out), str(paths[0])])
     assert called == [("scaling", 3), ("bars", 1)]
@@ -121,16 +121,18 @@ def test_a_shared_gpu_report_says_its_timings_are_not_speed_figures():
 
 def test_a_report_says_where_it_came_from(monkeypatch):
     """Run 21's bench JSON had the GPU and torch but no date, nvFuser version,
-    command or commit: every report now carries meshcheck's environment."""
-    from tpfuser.bench import bench_command
-    from tpfuser.meshcheck import environment
-    assert bench_command(["/x/tpfuser/bench.py", "--preset", "nanogpt", "--train"]) == \
+    command or commit: every report now carries meshcheck's environment (and
+    the schedule it ran under, which holds the q/k/v split)."""
+    from tpfuser.bench.cli import bench_command
+    from tpfuser.parallel.schedules import SCHEDULES
+    from tpfuser.verify.meshes import environment
+    assert bench_command(["/x/tpfuser/bench/__main__.py", "--preset", "nanogpt", "--train"]) == \
         "python3 -m tpfuser.bench --preset nanogpt --train"
     assert bench_command(["/usr/bin/tpfuser", "bench", "--tp", "2"]) == "tpfuser bench --tp 2"
     monkeypatch.setenv("TPFUSER_COMMIT", "abc123")
-    env = environment("python3 -m tpfuser.bench --train")
+    env = environment("python3 -m tpfuser.bench --train", SCHEDULES["megatron"].as_dict())
     assert env["command"] == "python3 -m tpfuser.bench --train" and env["commit"] == "abc123"
-    assert env["qkv_split"] == "slice"
+    assert env["schedule"]["qkv_split"] == "slice" and env["schedule"]["name"] == "megatron"
     assert env["date"].startswith("20") and env["nvfuser"] != "?" and env["torch"] == torch.__version__
 
 
@@ -148,10 +150,10 @@ def test_host_column_only_when_every_row_has_it():
 
 
 def test_a_sample_times_the_gpu_and_the_host_apart():
-    """_sample's host figure is the time to issue the calls, its GPU figure the
+    """sample's host figure is the time to issue the calls, its GPU figure the
     events' (faked here: 10 ms between them whatever the host does)."""
     import time
-    from tpfuser.bench import _sample
+    from tpfuser.bench.measure import sample
 
     class Event:
         def record(self):
@@ -163,14 +165,14 @@ def test_a_sample_times_the_gpu_and_the_host_apart():
         def elapsed_time(self, other):
             return 10.0
 
-    gpu_ms, host_ms = _sample(lambda: time.sleep(0.004), Event(), Event(), calls=2)
+    gpu_ms, host_ms = sample(lambda: time.sleep(0.004), Event(), Event(), calls=2)
     assert gpu_ms == 5.0 and 3.5 < host_ms < 20
 
 
 def test_the_commit_says_when_the_files_are_not_heads(tmp_path):
     """A report's commit is HEAD's only where the tracked files are HEAD's."""
     import subprocess
-    from tpfuser.meshcheck import git_commit
+    from tpfuser.verify.meshes import git_commit
 
     def git(*args):
         subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
@@ -196,13 +198,15 @@ def test_the_commit_says_when_the_files_are_not_heads(tmp_path):
 
 
 def test_each_nvfuser_impl_builds_its_block_with_its_options(monkeypatch):
-    """bench's nvFuser implementations differ only in ShardedBlock's options
-    (mesh, nvFuser options, unit axes split or not): recorded here, no GPU."""
-    import tpfuser.graphs
-    import tpfuser.runtime
-    from tpfuser.bench import IMPLS, NVFUSER_CALLED, NVFUSER_GRAPHED, _forward_fns, check_impls
+    """bench's nvFuser implementations differ only in the schedule their
+    ShardedBlock runs (mesh, nvFuser options, device keys), the bench's
+    schedule changed as each says: recorded here, no GPU. The unit-axis splits
+    (the nvfuser-split impls, gone) are the bench's schedule's split_unit_axes."""
+    import tpfuser.runtime.block
+    import tpfuser.runtime.graphs
+    from tpfuser.bench.impls import IMPLS, NVFUSER_CALLED, NVFUSER_GRAPHED, check_impls, forward_fns
     from tpfuser.config import Layout, preset
-    made = {}
+    from tpfuser.parallel.schedules import SCHEDULES
 
     class Recorder:
         def __init__(self, cfg, layout, rank, **options):
@@ -211,27 +215,40 @@ def test_each_nvfuser_impl_builds_its_block_with_its_options(monkeypatch):
         def load(self, state):
             return self
 
-    monkeypatch.setattr(tpfuser.runtime, "ShardedBlock", Recorder)
-    monkeypatch.setattr(tpfuser.graphs, "GraphedForward", lambda block: block)
+    monkeypatch.setattr(tpfuser.runtime.block, "ShardedBlock", Recorder)
+    monkeypatch.setattr(tpfuser.runtime.graphs, "GraphedForward", lambda block: block)
     impls = [*NVFUSER_CALLED, *NVFUSER_GRAPHED]
     check_impls(impls, Layout())
     assert set(impls) <= set(IMPLS)
-    fns = _forward_fns(preset("tiny"), torch.nn.Linear(1, 1), None, impls, Layout(), 0, None)
-    for impl, fn in fns.items():
-        made[impl] = fn.__defaults__[0].options   # the block each call runs
-    assert made["nvfuser"] == {} and made["nvfuser-nomesh"] == {"mesh": False}
-    assert made["nvfuser-split"] == {"split_unit_axes": True}
-    assert made["nvfuser-graph-split"] == {"keys_on_device": True, "split_unit_axes": True}
-    assert made["nvfuser-graph-fm"] == {"keys_on_device": True, "enable": ("fuse_matmul",)}
+    base = SCHEDULES["megatron"]
+    for schedule in (base, base.replace(split_unit_axes=True)):
+        fns = forward_fns(preset("tiny"), torch.nn.Linear(1, 1), None, impls, Layout(), 0, None, schedule)
+        made = {impl: fn.__defaults__[0].options for impl, fn in fns.items()}   # the block each call runs
+        assert all(set(options) == {"schedule"} for options in made.values())
+        made = {impl: options["schedule"] for impl, options in made.items()}
+        assert made["nvfuser"] == schedule and made["nvfuser-nomesh"] == schedule.replace(mesh=False)
+        assert made["nvfuser-graph"] == schedule.replace(keys_on_device=True)
+        assert made["nvfuser-graph-fm"] == schedule.replace(keys_on_device=True, enable_options=("fuse_matmul",))
+        assert all(s.split_unit_axes == schedule.split_unit_axes for s in made.values())
 
 
 def test_the_training_benches_take_every_option_their_impls_give():
-    """_train_fns builds the called nvFuser impls as TPBlock(**NVFUSER_CALLED[impl]),
-    _graphed_train_fns the graphed ones as ShardedBlock(**NVFUSER_GRAPHED[impl]):
-    an option one of them does not take would fail only on a GPU."""
+    """train_fns builds the called nvFuser impls as TPBlock(schedule=...), the
+    graphed ones as ShardedBlock(schedule=...), each schedule the bench's
+    changed by NVFUSER_CALLED[impl] / NVFUSER_GRAPHED[impl] (nvfuser_schedule):
+    an option that is no schedule field would fail only on a GPU."""
+    import dataclasses
     import inspect
-    from tpfuser.bench import NVFUSER_CALLED, NVFUSER_GRAPHED
-    from tpfuser.runtime import ShardedBlock, TPBlock
+    from tpfuser.bench.impls import NVFUSER_CALLED, NVFUSER_GRAPHED, nvfuser_schedule
+    from tpfuser.parallel.schedules import SCHEDULES, Schedule
+    from tpfuser.runtime.block import ShardedBlock
+    from tpfuser.runtime.module import TPBlock
     takes = {cls: set(inspect.signature(cls.__init__).parameters) for cls in (TPBlock, ShardedBlock)}
-    assert all(set(options) <= takes[TPBlock] for options in NVFUSER_CALLED.values())
-    assert all(set(options) | {"keys_on_device"} <= takes[ShardedBlock] for options in NVFUSER_GRAPHED.values())
+    assert "schedule" in takes[TPBlock] and "schedule" in takes[ShardedBlock]
+    fields = {f.name for f in dataclasses.fields(Schedule)}
+    assert all(set(options) <= fields for options in [*NVFUSER_CALLED.values(), *NVFUSER_GRAPHED.values()])
+    for name in ("megatron", "megatron-sp"):
+        for impl in NVFUSER_CALLED:
+            assert isinstance(nvfuser_schedule(SCHEDULES[name], impl), Schedule)
+        for impl in NVFUSER_GRAPHED:
+            assert nvfuser_schedule(SCHEDULES[name], impl, graphed=True).keys_on_device

@@ -4,13 +4,14 @@ checked against are its slices of the unsharded masks."""
 import pytest
 import torch
 
-from tpfuser.check import Case, RankReport, oracle_masks, rank_masks, rank_slices, reference
+from tpfuser.verify.check import RankReport
+from tpfuser.verify.oracle import Case, oracle_masks, rank_masks, rank_slices, reference
 from tpfuser.config import Layout, preset
-from tpfuser.fusion import saved_names
-from tpfuser.plan import placements
-from tpfuser.reference import PARAM_NAMES
-from tpfuser.runtime import MASKED
-from tpfuser.shard import gather
+from tpfuser.block.forward import saved_names
+from tpfuser.parallel.placements import placements
+from tpfuser.block.tensors import PARAM_NAMES
+from tpfuser.runtime.block import MASKED
+from tpfuser.parallel.shard import gather
 
 LAYOUTS = [Layout(1, 1), Layout(2, 2), Layout(1, 4, sp=True), Layout(2, 4, sp=True)]
 
@@ -77,14 +78,14 @@ def test_a_rank_fails_on_error_masks_or_a_vacuous_wrong_stream_control():
 
 
 def test_every_bound_says_why():
-    from tpfuser.check import BOUNDS, bound
+    from tpfuser.verify.check import BOUNDS, bound
     assert {q for _, q in BOUNDS} == {"out", "grad", "wrong_stream", "eager_margin"}
     assert all(len(why) > 40 for _, why in BOUNDS.values())
     assert bound("fp32", "out") < bound("bf16", "out") < bound("bf16", "grad")
 
 
 def test_a_bf16_bound_grows_to_the_margin_over_eagers_own_error():
-    from tpfuser.check import bound, tolerance
+    from tpfuser.verify.check import bound, tolerance
     assert tolerance("bf16", "out") == tolerance("bf16", "out", 1e-3) == bound("bf16", "out")
     assert tolerance("bf16", "out", 0.019) == pytest.approx(bound("bf16", "eager_margin") * 0.019)
     assert tolerance("bf16", "grad", 0.01) == bound("bf16", "grad")
@@ -101,8 +102,8 @@ def _math_attention(case, device, wrong_stream=False):
 def test_bf16_reference_carries_eagers_own_errors_to_every_rank(monkeypatch):
     """In bf16 the reference also runs the block in eager bf16: its error on the
     output and on each gradient goes to every rank."""
-    import tpfuser.check as check_module
-    monkeypatch.setattr(check_module, "flash_attention", _math_attention)
+    import tpfuser.verify.oracle as oracle_module
+    monkeypatch.setattr(oracle_module, "flash_attention", _math_attention)
     case = Case(preset("tiny", dtype="bf16", dropout=0.0), Layout(1, 2))
     ref = reference(case, torch.device("cpu"))
     eager = {n.removeprefix("eager."): float(t) for n, t in ref.items() if n.startswith("eager.")}
@@ -114,7 +115,7 @@ def test_bf16_reference_carries_eagers_own_errors_to_every_rank(monkeypatch):
         assert {n: float(mine[f"eager.{n}"]) for n in eager} == eager
         assert mine["param.ln_1.weight"].dtype == torch.bfloat16
     # the eager run leaves the reference's own figures alone: they equal a run without it
-    monkeypatch.setattr(check_module, "eager_errors", lambda *args: {})
+    monkeypatch.setattr(oracle_module, "eager_errors", lambda *args: {})
     plain = reference(case, torch.device("cpu"))
     assert all(torch.equal(plain[n], ref[n]) for n in plain), [n for n in plain if not torch.equal(plain[n], ref[n])]
     fp32 = reference(Case(preset("tiny", dtype="fp32", dropout=0.0)), torch.device("cpu"))
@@ -122,8 +123,9 @@ def test_bf16_reference_carries_eagers_own_errors_to_every_rank(monkeypatch):
 
 
 def test_a_bf16_report_is_bounded_by_the_margin_over_eager(monkeypatch):
-    import tpfuser.check as check_module
-    monkeypatch.setattr(check_module, "flash_attention", _math_attention)
+    import tpfuser.verify.check as check_module
+    import tpfuser.verify.oracle as oracle_module
+    monkeypatch.setattr(oracle_module, "flash_attention", _math_attention)
     monkeypatch.setitem(check_module.BOUNDS, ("bf16", "eager_margin"), (100.0, "large, so that it wins here"))
     case = Case(preset("tiny", dtype="bf16", dropout=0.0))
     real_expectations = check_module.expectations
@@ -147,7 +149,8 @@ def test_each_gradient_is_held_to_its_own_bound_and_the_worst_is_the_nearest_to_
     is large: c_fc's weight 3% off fails (eager's 1e-4: the bound stays 2e-2)
     while ln_1's weight 5% off passes under its own bound (eager's 5e-2: 7.5e-2),
     and the report names c_fc as over its bound, ln_1 as the largest error."""
-    import tpfuser.check as check_module
+    import tpfuser.verify.check as check_module
+    import tpfuser.verify.oracle as oracle_module
     case = Case(preset("tiny", dtype="bf16", dropout=0.0))
     real_expectations = check_module.expectations
 
@@ -157,7 +160,7 @@ def test_each_gradient_is_held_to_its_own_bound_and_the_worst_is_the_nearest_to_
         exp["eager.grad.ln_1.weight"] = torch.tensor(0.05)   # 1.5x: a bound of 0.075
         _ExactBlock.exp = exp
         return exp
-    monkeypatch.setattr(check_module, "flash_attention", _math_attention)
+    monkeypatch.setattr(oracle_module, "flash_attention", _math_attention)
     monkeypatch.setattr(check_module, "expectations", expectations)
     monkeypatch.setattr(check_module, "ShardedBlock", _ExactBlock)
     _ExactBlock.masks, _ExactBlock.perturb = {}, {"mlp.c_fc.weight": 1.03, "ln_1.weight": 1.05}
@@ -167,7 +170,7 @@ def test_each_gradient_is_held_to_its_own_bound_and_the_worst_is_the_nearest_to_
     assert bwd["errors"]["ln_1.weight"] == pytest.approx(0.05, rel=1e-5)
     assert bwd["errors"]["mlp.c_fc.weight"] == pytest.approx(0.03, rel=1e-5) and bwd["over_bound"] == ["mlp.c_fc.weight"]
     assert not report.ok and bwd["worst_tensor"] == "ln_1.weight" and bwd["tolerance"] == pytest.approx(0.075)
-    from tpfuser.meshcheck import format_checks
+    from tpfuser.verify.meshes import format_checks
     table = format_checks({"environment": {"gpu": "cpu", "gpus_shared": 0}, "preset": "tiny", "mesh": "1x1", "sp": False,
                            "ok": False, "cases": [{"dtype": "bf16", "dropout": 0.0, "ranks": [report.as_dict()]}]})
     assert "FAIL (over their bounds: mlp.c_fc.weight)" in table
@@ -188,6 +191,9 @@ class _ExactBlock:
     def load_shards(self, shards):
         assert len(shards) == len(PARAM_NAMES)
 
+    def saved_names(self, dropout=True):
+        return saved_names(self.cfg)
+
     def __call__(self, x, seed, offset):
         return {"out": self.exp["out"], **self.masks}
 
@@ -202,7 +208,7 @@ class _ExactBlock:
 
 @pytest.mark.parametrize("perturb", [None, "mlp.c_fc.weight"])
 def test_check_compares_every_output_and_times_every_phase(monkeypatch, perturb):
-    import tpfuser.check as check_module
+    import tpfuser.verify.check as check_module
     case = Case(preset("tiny", dtype="fp32"))
     real_expectations = check_module.expectations
 
@@ -224,13 +230,17 @@ def test_check_compares_every_output_and_times_every_phase(monkeypatch, perturb)
         assert report.backward["worst"] == pytest.approx(0.01, rel=1e-6)
 
 
-@pytest.mark.parametrize("flag, expected", [([], False), (["--unit-splits"], True)])
-def test_unit_splits_flag_reaches_the_check(monkeypatch, flag, expected):
-    """`tpfuser check --unit-splits` reaches check() as split_unit_axes=True
-    (which hands it to both ShardedBlocks it builds; run on a GPU by
-    tests/test_gpu.py); without the flag, False (the default since run 30)."""
-    import tpfuser.check
-    from tpfuser import cli, meshcheck
+@pytest.mark.parametrize("split", [None, True])
+def test_unit_splits_schedule_reaches_the_check(monkeypatch, tmp_path, split):
+    """A schedule file with "split_unit_axes": true (what `--unit-splits` was)
+    reaches check() in its schedule (which hands it to both ShardedBlocks it
+    builds; run on a GPU by tests/test_gpu.py); without it, False (the default
+    since run 30)."""
+    import json
+
+    import tpfuser.verify.check
+    from tpfuser import cli
+    from tpfuser.verify import meshes
     seen = {}
 
     def fake_check(case, rank, **options):
@@ -238,15 +248,20 @@ def test_unit_splits_flag_reaches_the_check(monkeypatch, flag, expected):
         raise RuntimeError("no GPU here")
 
     def cmd_check(args):
-        cfgs, layout = cli._check_cfgs(args)
-        return meshcheck._check_case(cfgs[0], layout, 0, args, None)
+        cfgs, layout, args.schedule = cli._check_cfgs(args)
+        return meshes._check_case(cfgs[0], layout, 0, args, None)
 
-    monkeypatch.setattr(tpfuser.check, "check", fake_check)
+    flag = []
+    if split:
+        path = tmp_path / "unit_splits.json"
+        path.write_text(json.dumps({"base": "megatron", "split_unit_axes": True}))
+        flag = ["--schedule-file", str(path)]
+    monkeypatch.setattr(tpfuser.verify.check, "check", fake_check)
     monkeypatch.setattr(cli, "preflight", lambda args: None)
     monkeypatch.setattr(cli, "cmd_check", cmd_check)
     report = cli.main(["check", "--preset", "tiny", "--dtype", "fp32", *flag])
     assert "no GPU here" in report["error"]
-    assert seen["split_unit_axes"] is expected
+    assert seen["schedule"].split_unit_axes is bool(split)
 
 
 def test_a_checked_rank_says_on_stderr_where_it_is(monkeypatch, capsys):
@@ -256,17 +271,18 @@ def test_a_checked_rank_says_on_stderr_where_it_is(monkeypatch, capsys):
     its time bound three times without a line)."""
     import argparse
 
-    import tpfuser.check
-    from tpfuser import meshcheck
+    import tpfuser.verify.check
+    from tpfuser.verify import meshes
     from tpfuser.config import Layout, preset
+    from tpfuser.parallel.schedules import SCHEDULES
 
     def fake_check(case, rank, progress=None, **options):
         progress("forward done in 1.0 s")
         raise RuntimeError("NCCL error: the peer went away")
 
-    monkeypatch.setattr(tpfuser.check, "check", fake_check)
-    args = argparse.Namespace(forward_only=False, collectives=False, preset="tiny")
-    report = meshcheck._check_case(preset("tiny", dtype="bf16"), Layout(2, 4, True), 5, args, None)
+    monkeypatch.setattr(tpfuser.verify.check, "check", fake_check)
+    args = argparse.Namespace(forward_only=False, collectives=False, preset="tiny", schedule=SCHEDULES["megatron-sp"])
+    report = meshes._check_case(preset("tiny", dtype="bf16"), Layout(2, 4, True), 5, args, None)
     assert not report["ok"] and "the peer went away" in report["error"]
     lines = capsys.readouterr().err.splitlines()
     assert lines[:2] == ["rank 5: bf16: started", "rank 5: bf16: forward done in 1.0 s"]
@@ -275,15 +291,16 @@ def test_a_checked_rank_says_on_stderr_where_it_is(monkeypatch, capsys):
 
 def test_check_hands_split_unit_axes_to_both_its_blocks(monkeypatch):
     """check() builds its block, and graph_equality its called-and-graphed one,
-    with the split_unit_axes it was given."""
-    import tpfuser.check as check_mod
+    with the split_unit_axes of the schedule it was given."""
+    import tpfuser.verify.check as check_mod
+    from tpfuser.parallel.schedules import SCHEDULES
     seen = []
 
     class Stop(Exception):
         pass
 
     def fake_block(*args, **options):
-        seen.append(options.get("split_unit_axes"))
+        seen.append(options["schedule"].split_unit_axes)
         raise Stop
 
     class Anything(dict):
@@ -293,10 +310,11 @@ def test_check_hands_split_unit_axes_to_both_its_blocks(monkeypatch):
     monkeypatch.setattr(check_mod, "ShardedBlock", fake_block)
     monkeypatch.setattr(check_mod, "expectations", lambda *args: {})
     case = Case(preset("tiny", dtype="fp32", dropout=0.1))
+    split = SCHEDULES["megatron"].replace(split_unit_axes=True)
     with pytest.raises(Stop):
-        check_mod.check(case, device=torch.device("cpu"), split_unit_axes=True)
+        check_mod.check(case, device=torch.device("cpu"), schedule=split)
     with pytest.raises(Stop):
-        check_mod.graph_equality(case, 0, Anything(), {}, False, None, True, split_unit_axes=True)
+        check_mod.graph_equality(case, 0, Anything(), {}, False, None, split)
     with pytest.raises(Stop):
         check_mod.check(case, device=torch.device("cpu"))
     assert seen == [True, True, False]
@@ -306,11 +324,12 @@ def test_no_collectives_planned_over_a_team_of_one_without_unit_splits():
     """Without the unit-axis splits (the default), nvFuser posts nothing over
     tp == 1, and the plan it is compared with says so (run 28 at 2x1: 0/0);
     with the splits it plans tp's all-reduces; with tp > 1 the plan is unchanged."""
-    from tpfuser.check import compare_with_plan
+    from tpfuser.verify.check import compare_with_plan
+    from tpfuser.parallel.schedules import SCHEDULES
     cfg = preset("tiny", dtype="fp32", dropout=0.1)
     nothing = {"forward": [], "training forward": [], "backward": []}
     for sp in (False, True):
         layout = Layout(2, 1, sp)
         assert all(r["matches"] for r in compare_with_plan(nothing, cfg, layout, 1).values())
-        assert not any(r["matches"] for r in compare_with_plan(nothing, cfg, layout, 1, split_unit_axes=True).values())
+        assert not any(r["matches"] for r in compare_with_plan(nothing, cfg, layout, 1, SCHEDULES["megatron-sp" if sp else "megatron"].replace(split_unit_axes=True)).values())
     assert not any(r["matches"] for r in compare_with_plan(nothing, cfg, Layout(1, 2), 0).values())

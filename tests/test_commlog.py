@@ -3,9 +3,9 @@ import ctypes
 import json
 import os
 
-from tpfuser.commlog import captured_communications, compare_collectives, parse_communication_log
+from tpfuser.verify.commlog import captured_communications, compare_collectives, parse_communication_log
 from tpfuser.config import Layout, preset
-from tpfuser.plan import collectives
+from tpfuser.parallel.placements import collectives
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "results")
 SEEN = json.load(open(os.path.join(RESULTS, "2026-12-02-h200", "tp_collectives.json")))["posted"][0]["line"]
@@ -60,7 +60,7 @@ def test_captured_communications_reads_what_c_code_writes_to_stdout(capfd):
 
 
 def test_error_line_finds_the_assert_and_drops_the_backtrace():
-    from tpfuser.commlog import error_line
+    from tpfuser.verify.commlog import error_line
     e = RuntimeError("\n".join([
         "Error from segmentation group 0:  INTERNAL ASSERT FAILED at /Fuser/csrc/multidevice/post_communication.cpp:74, please report",
         "Expected (dst.numel())==(src.numel()) . Found 64 vs 1024.",
@@ -83,7 +83,7 @@ def test_sp_backward_as_posted_on_the_h200_matches_the_plan_in_any_order():
     """The SP backward all-reduces the six tp-replicated parameters' gradients
     (LayerNorms, row-parallel biases: sums over sequence shards), and nvFuser
     posts them between the gathers, not where the plan lists them."""
-    from tpfuser.plan import backward_collectives
+    from tpfuser.parallel.placements import backward_collectives
     cfg = preset("tiny", dtype="fp32", dropout=0.1)
     posted = RUN17["collectives"]["backward"]["posted"]
     planned = [c for c in backward_collectives(cfg, Layout(1, 4, sp=True)) if c.axis == "tp"]
@@ -98,7 +98,7 @@ def test_sp_backward_as_posted_on_the_h200_matches_the_plan_in_any_order():
 def test_error_message_keeps_nested_segment_errors_and_drops_every_backtrace():
     """Run 19's one-head failure was cut to 'executor_utils.cpp:511' by
     error_line; the lines after it name the failing input."""
-    from tpfuser.commlog import error_message
+    from tpfuser.verify.commlog import error_message
     e = RuntimeError("\n".join([
         "INTERNAL ASSERT FAILED at fusion_kernel_runtime.cpp:476. Detected exception while compiling",
         "Error from segmentation group 58:  INTERNAL ASSERT FAILED at executor_utils.cpp:511",

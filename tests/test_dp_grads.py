@@ -1,5 +1,5 @@
 """The parameter gradients' sum over dp, after the backward fusion
-(ShardedBlock._sum_over_dp, world.dp_group), on the CPU: four gloo ranks of
+(ShardedBlock.sum_over_dp, world.dp_group), on the CPU: four gloo ranks of
 a 2x2 layout, each summing with the rank holding its tp shard in the other dp
 row; and the benchmark's per-sample slowest rank (bench._slowest_rank)."""
 import os
@@ -13,16 +13,16 @@ from tpfuser.config import Layout, preset
 
 def _rank(rank, world, init_file, results):
     import torch.distributed as dist
-    from tpfuser.world import dp_group
-    from tpfuser.runtime import ShardedBlock
+    from tpfuser.dist.world import dp_group
+    from tpfuser.runtime.block import ShardedBlock
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         layout = Layout(2, 2)
         block = ShardedBlock(preset("tiny", dtype="bf16"), layout, rank, device=torch.device("cpu"),
                              dp_group=dp_group(layout, rank))
         grads = [torch.full((3, 2), float(rank), dtype=torch.bfloat16), torch.arange(4.0) * (rank + 1)]
-        summed = block._sum_over_dp(grads)
-        from tpfuser.bench import _slowest_rank
+        summed = block.sum_over_dp(grads)
+        from tpfuser.bench.run import _slowest_rank
         slowest = _slowest_rank({"a": [float(rank), 10.0 - rank]}, 4)["a"]
         results[rank] = [g.tolist() for g in summed] + [str(t.dtype) for t in summed] + [slowest]
     finally:
@@ -46,7 +46,7 @@ def test_parameter_gradients_are_summed_over_the_dp_group_only():
 
 def test_backward_without_a_dp_group_is_refused_when_dp_is_two():
     import pytest
-    from tpfuser.runtime import ShardedBlock
+    from tpfuser.runtime.block import ShardedBlock
     block = ShardedBlock(preset("tiny"), Layout(2, 1), 0, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="dp=2: the parameter gradients are summed over dp"):
         block.backward(None, None, [])

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from tpfuser.config import Layout, preset
-from tpfuser.dropout import M32, STREAMS, keep_mask, keep_threshold, mix32, stream_key
-from tpfuser.plan import local_shape, placements
-from tpfuser.runtime import MASKED, dropout_scalars, mask_shape
-from tpfuser.shard import gather
+from tpfuser.block.dropout import M32, STREAMS, keep_mask, keep_threshold, mix32, stream_key
+from tpfuser.parallel.placements import local_shape, placements
+from tpfuser.runtime.block import MASKED, dropout_scalars, mask_shape
+from tpfuser.parallel.shard import gather
 
 
 def lowbias32(x):
@@ -63,7 +63,7 @@ def test_keep_rate_and_no_correlation_between_neighbours():
 
 def rank_masks(cfg, layout, stream, seed=7, offset=3):
     """Every rank's mask, drawn on its local shape from the scalars the runtime gives its fusion."""
-    from tpfuser.fusion import MASK_STARTS
+    from tpfuser.block.inputs import MASK_STARTS
     shape, placement = mask_shape(cfg, stream), placements(layout)[MASKED[stream]]
     masks = []
     for rank in range(layout.world_size):
@@ -105,7 +105,7 @@ def test_dropout_scalars_of_a_rank():
 
 
 def test_flash_seed_is_a_stream_per_rank_and_call():
-    from tpfuser.dropout import flash_seed
+    from tpfuser.block.dropout import flash_seed
     seeds = {flash_seed(s, o, d, t) for s in (0, 1) for o in (0, 1, 2) for d in range(2) for t in range(8)}
     assert len(seeds) == 2 * 3 * 2 * 8                       # every (seed, offset, dp rank, tp rank) its own
     assert all(0 <= x < 2 ** 63 for x in seeds)              # a valid torch generator seed
@@ -116,7 +116,7 @@ def test_the_hosts_int_hash_is_the_fusions_hash():
     """mix32 on a Python int takes plain arithmetic (tools/host_overhead.py: the
     keys were most of a call's host time); the torch path, which the fusion's
     nvFuser ops mirror, must give the same 32-bit values."""
-    from tpfuser.dropout import mix32
+    from tpfuser.block.dropout import mix32
     g = torch.Generator().manual_seed(5)
     values = torch.cat([torch.randint(0, 2**32, (4000,), generator=g, dtype=torch.int64),
                         torch.tensor([0, 1, 2**16 - 1, 2**16, 2**31 - 1, 2**31, 2**32 - 1])])
@@ -128,13 +128,15 @@ def test_a_block_hands_its_fusion_the_ranks_own_starts_and_this_calls_keys():
     """What a block made once at construction (the mask starts) and per call
     (the keys) reaches the fusion as the fusion names them: dp rank 1, tp rank 2
     of 2x4 starts at batch 2, head 4 (and sequence 8 under SP), by hand."""
-    from tpfuser.fusion import rng_input_names
-    from tpfuser.runtime import ShardedBlock
+    from tpfuser.block.inputs import rng_input_names
+    from tpfuser.runtime.block import ShardedBlock
     cfg = preset("tiny", dtype="fp32")
     for layout, seq in ((Layout(2, 4), 0), (Layout(2, 4, sp=True), 8)):
         block = ShardedBlock(cfg, layout, 6, device=torch.device("cpu"))
-        inputs = dict(zip(rng_input_names(cfg), block._rng_inputs(3, 9)))
+        inputs = block.rng_inputs(3, 9)   # by name, in the fusions' order
+        assert list(inputs) == rng_input_names(cfg)
         assert (inputs["start.batch"], inputs["start.seq"], inputs["start.head"]) == (2, seq, 4)
-        later = dict(zip(rng_input_names(cfg), block._rng_inputs(3, 10)))
+        later = block.rng_inputs(3, 10)
+        assert list(later) == rng_input_names(cfg)
         assert inputs["key.resid_mlp"] == stream_key(3, 9, "resid_mlp") != later["key.resid_mlp"]
         assert later["start.head"] == 4                          # the starts do not move from call to call

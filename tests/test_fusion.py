@@ -1,15 +1,16 @@
 """The fusions build on the CPU; their structure and every TensorView's
 sharding are what the plan says (read from the TensorViews' IterDomains)."""
-import os
 import re
 
 import pytest
 
 from tpfuser.config import PRESETS, Layout, preset
-from tpfuser.dropout import keep_threshold
-from tpfuser.fusion import build_forward, fusion_text, loop_sharding
-from tpfuser.plan import placements
-from tpfuser.reference import PARAM_NAMES
+from tpfuser.block.dropout import keep_threshold
+from tpfuser.block.inputs import rng_input_names
+from tpfuser.block.tensors import BY_NAME, PARAM_NAMES
+from tpfuser.parallel.placements import placements
+from tpfuser.parallel.schedule import build_forward, loop_sharding
+from tpfuser.parallel.schedules import SCHEDULES
 
 MESHES = [Layout(1, 1), Layout(1, 2), Layout(2, 1), Layout(2, 2), Layout(1, 8), Layout(2, 4)]
 MESHES = MESHES + [Layout(m.dp, m.tp, sp=True) for m in MESHES]
@@ -20,24 +21,49 @@ def count(pattern, text):
     return len(re.findall(pattern, text))
 
 
+def schedules_for(layout):
+    """The layout's default schedule (its passes cut into several fusions, the
+    masks drawn by a fusion of their own) and the single-fusion form of it
+    (masks inline, no cuts), which writes the fusions as they were before the
+    schedules: a test checks both."""
+    name = "megatron-sp" if layout is not None and layout.sp else "megatron"
+    return [SCHEDULES[name], SCHEDULES[f"{name}-whole"]]
+
+
+def named_tensors(built):
+    """Every TensorView entering or leaving one of the pass's fusions, by name
+    (the first fusion's where several have it), the dropout scalars left out."""
+    named = {}
+    for piece in built.pieces:
+        for name, tv in [*piece.inputs.items(), *piece.outputs.items()]:
+            if not name.startswith(("key.", "start.")):
+                named.setdefault(name, tv)
+    return named
+
+
 @pytest.mark.parametrize("name", sorted(PRESETS))
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["p0", "p0.1"])
 def test_forward_structure(name, dtype, dropout):
-    ff = build_forward(preset(name, dtype=dtype, dropout=dropout), Layout(1, 1))
-    text = fusion_text(ff)
-    assert count(r"= linear\(", text) == 4
-    assert list(ff.inputs) == ["x", *PARAM_NAMES]
-    if dtype == "bf16":
-        assert count(r"sdpa", text.lower()) >= 1 and count(r"= matmul\(", text) == 0
-    else:  # written-out attention: q k^T and probs v
-        assert count(r"sdpa", text.lower()) == 0 and count(r"= matmul\(", text) == 2
-    # Residual dropouts always; the attention-probability dropout is drawn in
-    # the fusion only in fp32 (in bf16 it lives inside flash attention).
-    expected_masks = 0 if dropout == 0 else (2 if dtype == "bf16" else 3)
-    assert count(rf"< {keep_threshold(0.1)}", text) == expected_masks   # hash < (1 - p) 2**32
-    assert "rng_uniform" not in text                                     # philox is sharding-dependent
-    assert ff.has_rng == (dropout > 0)
+    """Counted over all the pass's fusions, under the default schedule and its single-fusion form."""
+    cfg = preset(name, dtype=dtype, dropout=dropout)
+    for schedule in schedules_for(Layout(1, 1)):
+        ff = build_forward(cfg, Layout(1, 1), schedule=schedule)
+        text = ff.text()
+        assert count(r"= linear\(", text) == 4, schedule.name
+        if dtype == "bf16":
+            assert count(r"sdpa", text.lower()) >= 1 and count(r"= matmul\(", text) == 0
+        else:  # written-out attention: q k^T and probs v
+            assert count(r"sdpa", text.lower()) == 0 and count(r"= matmul\(", text) == 2
+        # Residual dropouts always; the attention-probability dropout is drawn in
+        # the fusion only in fp32 (in bf16 it lives inside flash attention).
+        expected_masks = 0 if dropout == 0 else (2 if dtype == "bf16" else 3)
+        assert count(rf"< {keep_threshold(0.1)}", text) == expected_masks   # hash < (1 - p) 2**32
+        assert "rng_uniform" not in text                                     # philox is sharding-dependent
+        # the tensors x and the parameters, then (with dropout) the dropout scalars rng_input_names
+        assert sorted(ff.inputs) == sorted(["x", *PARAM_NAMES, *rng_input_names(cfg)])
+    assert list(ff.pieces[0].inputs) == ["x", *PARAM_NAMES, *rng_input_names(cfg)]   # the single fusion's order
+    assert bool(rng_input_names(cfg)) == (dropout > 0)
 
 
 def test_check_mode_outputs_the_masks():
@@ -71,24 +97,30 @@ def mesh_text(layout):
 @pytest.mark.parametrize("layout", MESHES, ids=MESH_IDS)
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_every_tensorview_is_sharded_as_planned(layout, dtype, split_unit_axes):
+    """Every tensor entering or leaving each fusion of the pass (the cut points'
+    tensors too, shaped as tensors.py says), under both schedules."""
     cfg = preset("tiny", dtype=dtype)
-    ff = build_forward(cfg, layout, check=True, split_unit_axes=split_unit_axes)
-    named = {**ff.inputs, **ff.outputs}
-    assert set(named) <= set(placements(Layout()))
-    from tpfuser.report import activation_shapes
-    from tpfuser.reference import param_shapes
+    from tpfuser.parallel.report import activation_shapes
+    from tpfuser.block.tensors import param_shapes
     shapes = {**param_shapes(cfg), **activation_shapes(cfg)}
-    for name, tv in named.items():
-        mesh, axes = loop_sharding(tv)
-        assert mesh == mesh_text(layout), name
-        assert axes == expected_loop(shapes[name], placements(layout)[name], layout, split_unit_axes), name
+    for schedule in schedules_for(layout):
+        ff = build_forward(cfg, layout, check=True, schedule=schedule.replace(split_unit_axes=split_unit_axes))
+        named = named_tensors(ff)
+        assert set(named) <= set(placements(Layout()))
+        for name, tv in named.items():
+            mesh, axes = loop_sharding(tv)
+            assert mesh == mesh_text(layout), name
+            shape = shapes[name] if name in shapes else BY_NAME[name].shape(cfg)
+            assert axes == expected_loop(shape, placements(layout)[name], layout, split_unit_axes), name
 
 
 def test_sp_splits_the_sequence_of_the_replicated_region_only():
-    ff = build_forward(preset("tiny"), Layout(1, 4, sp=True), check=True)
-    assert loop_sharding(ff.inputs["x"])[1] == [("", 4), ("mesh_x", 4), ("", 4), ("", 64)]   # dp of one: no split
-    assert loop_sharding(ff.outputs["resid_mlp_keep"])[1][1] == ("mesh_x", 4)
-    assert loop_sharding(ff.inputs["attn.c_attn.weight"])[1][0] == ("mesh_x", 4)   # unchanged from TP
+    for schedule in schedules_for(Layout(1, 4, sp=True)):
+        built = build_forward(preset("tiny"), Layout(1, 4, sp=True), check=True, schedule=schedule)
+        ff = named_tensors(built)   # (built kept: its TensorViews die with it)
+        assert loop_sharding(ff["x"])[1] == [("", 4), ("mesh_x", 4), ("", 4), ("", 64)]   # dp of one: no split
+        assert loop_sharding(ff["resid_mlp_keep"])[1][1] == ("mesh_x", 4)
+        assert loop_sharding(ff["attn.c_attn.weight"])[1][0] == ("mesh_x", 4)   # unchanged from TP
 
 
 def test_sp_rejects_indivisible_sequence():
@@ -107,35 +139,42 @@ def test_dropout_scalar_inputs(dtype, dropout, scalars):
     """Tensors x and the 12 parameters, then a key per stream the fusion draws
     and where the rank's slices begin: batch and sequence (residual masks), and
     in fp32 the head (attention mask; in bf16 flash attention draws its own)."""
-    from tpfuser.fusion import rng_input_names
     cfg = preset("tiny", dtype=dtype, dropout=dropout)
-    ff = build_forward(cfg, Layout(1, 1))
-    assert len(ff.fd.fusion.inputs()) == 13 + scalars == 13 + len(rng_input_names(cfg))
+    whole = build_forward(cfg, Layout(1, 1), schedule="megatron-whole")   # one fusion takes them all
+    assert len(whole.pieces[0].fd.fusion.inputs()) == 13 + scalars == 13 + len(rng_input_names(cfg))
+    assert len(build_forward(cfg, Layout(1, 1)).inputs) == 13 + scalars   # the default's fusions, together
 
 
 @pytest.mark.parametrize("form, forward_has, backward_has", [
     ("slice", {"slice"}, {"cat"}), ("select", {"select"}, {"cat"}), ("onehot", set(), set())])
-def test_qkv_split_forms_build_at_one_head_per_rank(monkeypatch, form, forward_has, backward_has):
-    """fusion.QKV_SPLIT (TPFUSER_QKV_SPLIT), the experiment for one head per rank:
+def test_qkv_split_forms_build_at_one_head_per_rank(form, forward_has, backward_has):
+    """The schedule's qkv_split (was TPFUSER_QKV_SPLIT), the experiment for one head per rank:
     each form builds on tiny's 1x8 and 2x4 SP meshes and takes q, k and v out of
-    qkv, and puts their gradients back, by its own ops only. Whether nvFuser runs
+    qkv, and puts their gradients back, by its own ops only (over all the
+    pass's fusions, under both schedules). Whether nvFuser runs
     them is the GPU's to say (tools/repro_one_head.py, then the mesh suite)."""
-    from tpfuser import fusion
-    monkeypatch.setattr(fusion, "QKV_SPLIT", form)
+    from tpfuser.parallel.schedule import build_backward
     for layout in (Layout(1, 8), Layout(2, 4, sp=True)):
         cfg = preset("tiny", dtype="bf16")
-        forward = fusion.build_forward(cfg, layout, train=True).fd.fusion.print_math()
-        backward = fusion.build_backward(cfg, layout).fd.fusion.print_math()
-        assert {op for op in ("slice", "select") if op in forward} == forward_has
-        assert {op for op in ("cat",) if op in backward} == backward_has
+        for schedule in schedules_for(layout):
+            schedule = schedule.replace(qkv_split=form)
+            forward = build_forward(cfg, layout, train=True, schedule=schedule).text()
+            backward = build_backward(cfg, layout, schedule=schedule).text()
+            assert {op for op in ("slice", "select") if op in forward} == forward_has
+            assert {op for op in ("cat",) if op in backward} == backward_has
 
 
 def test_qkv_split_is_checked_where_it_is_set():
-    import subprocess
-    import sys
-    run = subprocess.run([sys.executable, "-c", "import tpfuser.fusion"], capture_output=True, text=True,
-                         env={**os.environ, "TPFUSER_QKV_SPLIT": "slices"})
-    assert run.returncode != 0 and "TPFUSER_QKV_SPLIT='slices': expected one of slice, select, onehot" in run.stderr
+    """The q/k/v split is the schedule's qkv_split field (TPFUSER_QKV_SPLIT is
+    gone): a wrong one is refused where the schedule (or the Form) is made."""
+    from tpfuser.block.form import Form
+    from tpfuser.parallel.schedules import load_schedule
+    with pytest.raises(ValueError, match=re.escape("'qkv_split': expected one of slice, select, onehot, got 'slices'")):
+        load_schedule({"qkv_split": "slices"})
+    with pytest.raises(ValueError, match=re.escape("'qkv_split': expected one of slice, select, onehot, got 'slices'")):
+        SCHEDULES["megatron"].replace(qkv_split="slices")
+    with pytest.raises(ValueError, match=re.escape("qkv_split='slices': expected one of slice, select, onehot")):
+        Form(qkv_split="slices")
 
 
 @pytest.mark.parametrize("dp, tp", [(1, 1), (1, 2), (2, 1)])
@@ -143,13 +182,14 @@ def test_unit_axes_split_only_where_asked(dp, tp):
     """By default no split over a mesh axis of one device (no collective over a
     team of one), and only those left out; split_unit_axes=True splits every
     placement, of one device or more."""
-    from tpfuser.fusion import build_backward, build_forward
+    from tpfuser.parallel.schedule import build_backward, build_forward
     cfg, layout = preset("tiny"), Layout(dp, tp)
-    for build in (lambda **kw: build_forward(cfg, layout, train=True, **kw),
-                  lambda **kw: build_backward(cfg, layout, **kw)):
-        split = build(split_unit_axes=True).fd.fusion.print_math()
-        unsplit = build().fd.fusion.print_math()
-        assert "deviceIdx.x" in split   # every placement split, of one device or more
-        assert ("deviceIdx.x" in unsplit) == (tp > 1)
-        assert ("deviceIdx.y" in unsplit) == (dp > 1 and "deviceIdx.y" in split)
-        assert "DeviceMesh" in unsplit   # still on the mesh
+    for schedule in schedules_for(layout):   # the text of all the pass's fusions
+        for build in (lambda s: build_forward(cfg, layout, train=True, schedule=s),
+                      lambda s: build_backward(cfg, layout, schedule=s)):
+            split = build(schedule.replace(split_unit_axes=True)).text()
+            unsplit = build(schedule).text()
+            assert "deviceIdx.x" in split   # every placement split, of one device or more
+            assert ("deviceIdx.x" in unsplit) == (tp > 1)
+            assert ("deviceIdx.y" in unsplit) == (dp > 1 and "deviceIdx.y" in split)
+            assert "DeviceMesh" in unsplit   # still on the mesh

@@ -7,9 +7,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tpfuser.config import Layout
-from tpfuser.plan import placements
-from tpfuser.runtime import gather_output
-from tpfuser.shard import local_slice
+from tpfuser.parallel.placements import placements
+from tpfuser.dist.world import gather_output
+from tpfuser.parallel.shard import local_slice
 
 
 def _worker(rank, world, port, layout, full, queue):

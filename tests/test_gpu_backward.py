@@ -12,9 +12,17 @@ pytestmark = pytest.mark.gpu
 
 MESHES = [pytest.param(False, id="single"), pytest.param(True, id="mesh")]   # -k "not mesh": the first only
 
-from tpfuser.check import bound, check_backward  # noqa: E402
+
+def on(mesh: bool):
+    """The default schedule with or without the device mesh (was the blocks' mesh=...)."""
+    from tpfuser.parallel.schedules import SCHEDULES
+    return SCHEDULES["megatron"].replace(mesh=mesh)
+
+
+from tpfuser.verify.check import bound, check_backward  # noqa: E402
 from tpfuser.config import preset  # noqa: E402
-from tpfuser.reference import PARAM_NAMES, make_block, make_input  # noqa: E402
+from tpfuser.block.tensors import PARAM_NAMES  # noqa: E402
+from tpfuser.verify.reference import make_block, make_input  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _full_precision(no_tf32):
@@ -26,7 +34,7 @@ def _full_precision(no_tf32):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_gradients_match_reference_autograd(name, dtype, mesh, record):
     # dropout 0.1: the reference applies the fusion's masks
-    errors = check_backward(preset(name, dtype=dtype), mesh=mesh)
+    errors = check_backward(preset(name, dtype=dtype), schedule=on(mesh))
     record(rel_l2=errors, tolerance=bound(dtype, "grad"))
     bad = {k: v for k, v in errors.items() if v > bound(dtype, "grad")}
     assert not bad, (bad, errors)
@@ -35,10 +43,10 @@ def test_gradients_match_reference_autograd(name, dtype, mesh, record):
 @pytest.mark.parametrize("mesh", MESHES)
 def test_sgd_trajectory_matches_reference(mesh, record):
     """20 SGD steps on tiny, fp32, dropout 0: the same losses within 1e-4 (relative)."""
-    from tpfuser.runtime import TPBlock
+    from tpfuser.runtime.module import TPBlock
     cfg = preset("tiny", dtype="fp32", dropout=0.0)
     ref = make_block(cfg).cuda()
-    model = TPBlock(cfg, mesh=mesh).load_full_state_dict(ref.state_dict())
+    model = TPBlock(cfg, schedule=on(mesh)).load_full_state_dict(ref.state_dict())
     x = make_input(cfg).cuda()
     target = make_input(cfg, seed=3).cuda()
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
@@ -62,10 +70,10 @@ def test_sgd_trajectory_matches_reference(mesh, record):
 
 @pytest.mark.parametrize("mesh", MESHES)
 def test_module_gives_gradient_shards_and_full_grads(mesh):
-    from tpfuser.runtime import TPBlock
+    from tpfuser.runtime.module import TPBlock
     cfg = preset("tiny", dtype="fp32")
     ref = make_block(cfg).cuda()
-    model = TPBlock(cfg, mesh=mesh).load_full_state_dict(ref.state_dict())
+    model = TPBlock(cfg, schedule=on(mesh)).load_full_state_dict(ref.state_dict())
     model(make_input(cfg).cuda()).sum().backward()
     grads = model.full_grads()
     assert list(grads) == list(PARAM_NAMES)
@@ -78,12 +86,12 @@ def test_module_eval_mode_is_the_block_without_dropout(mesh):
     """eval(): no dropout (the reference with no masks), no step taken, with and
     without autograd (two paths: the training fusions and the inference one);
     train() draws masks again. Errors on the branch (out - x): x dominates out."""
-    from tpfuser.check import rel_l2
-    from tpfuser.runtime import TPBlock
+    from tpfuser.verify.oracle import rel_l2
+    from tpfuser.runtime.module import TPBlock
     cfg = preset("tiny", dtype="fp32")
     assert cfg.dropout > 0
     ref = make_block(cfg).cuda()
-    model = TPBlock(cfg, mesh=mesh).load_full_state_dict(ref.state_dict()).eval()
+    model = TPBlock(cfg, schedule=on(mesh)).load_full_state_dict(ref.state_dict()).eval()
     x = make_input(cfg).cuda()
     with torch.no_grad():
         want = ref(x) - x
@@ -103,9 +111,9 @@ def test_bf16_step_lays_the_heads_out_for_flash_attention_and_copies_nothing(mes
     step, 0.057 ms of nanogpt's 0.94; inferred: four by backward_inputs'
     .contiguous() of these, one by flash attention's backward)."""
     from torch.profiler import ProfilerActivity, profile
-    from tpfuser.runtime import ShardedBlock
+    from tpfuser.runtime.block import ShardedBlock
     cfg = preset("tiny", dtype="bf16")
-    block = ShardedBlock(cfg, mesh=mesh).load(make_block(cfg).state_dict())
+    block = ShardedBlock(cfg, schedule=on(mesh)).load(make_block(cfg).state_dict())
     x = make_input(cfg, dtype=torch.bfloat16).cuda()
     grad_out = torch.randn_like(x)
     names = block.saved_names()
@@ -115,7 +123,7 @@ def test_bf16_step_lays_the_heads_out_for_flash_attention_and_copies_nothing(mes
     heads = {name: t for name, t in zip(names, saved) if name in ("q", "k", "v", "sdpa_out")}
     assert len(heads) == 4 and all(t.permute(0, 2, 1, 3).is_contiguous() for t in heads.values()), \
         {name: t.stride() for name, t in heads.items()}
-    handed = dict(zip(["grad_out", "x", *PARAM_NAMES, *names], block.backward_inputs(grad_out, x, saved)))
+    handed = block.backward_inputs(grad_out, x, saved)   # by name
     assert all(handed[name].data_ptr() == t.data_ptr() for name, t in heads.items())
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

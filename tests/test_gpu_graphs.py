@@ -7,7 +7,10 @@ import torch
 pytestmark = pytest.mark.gpu
 
 from tpfuser.config import preset  # noqa: E402
-from tpfuser.reference import make_block, make_input  # noqa: E402
+from tpfuser.parallel.schedules import SCHEDULES  # noqa: E402
+from tpfuser.verify.reference import make_block, make_input  # noqa: E402
+
+DEVICE_KEYS = SCHEDULES["megatron"].replace(keys_on_device=True)   # was ShardedBlock(keys_on_device=True)
 
 
 @pytest.fixture(autouse=True)
@@ -17,11 +20,11 @@ def _full_precision(no_tf32):
 
 def blocks(cfg):
     """A called block with host keys, one with device keys, and the latter's graphed forward."""
-    from tpfuser.graphs import GraphedForward
-    from tpfuser.runtime import ShardedBlock
+    from tpfuser.runtime.graphs import GraphedForward
+    from tpfuser.runtime.block import ShardedBlock
     state = make_block(cfg).state_dict()
     host = ShardedBlock(cfg, check=True).load(state)
-    device = ShardedBlock(cfg, check=True, keys_on_device=True).load(state)
+    device = ShardedBlock(cfg, check=True, schedule=DEVICE_KEYS).load(state)
     return host, device, GraphedForward(device)
 
 
@@ -53,11 +56,11 @@ def test_forward_replay_equals_the_called_block(dtype, dropout, record):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_train_step_replay_equals_the_called_block(dtype, record):
-    from tpfuser.graphs import GraphedTrainStep
-    from tpfuser.runtime import ShardedBlock
+    from tpfuser.runtime.graphs import GraphedTrainStep
+    from tpfuser.runtime.block import ShardedBlock
     cfg = preset("tiny", dtype=dtype)   # dropout 0.1
     state = make_block(cfg).state_dict()
-    called = ShardedBlock(cfg, keys_on_device=True).load(state)   # called and graphed: the same fusions
+    called = ShardedBlock(cfg, schedule=DEVICE_KEYS).load(state)   # called and graphed: the same fusions
     step = GraphedTrainStep(called)
     x = called.shard_input(make_input(cfg))
     grad_out = torch.randn_like(x)
@@ -74,11 +77,11 @@ def test_train_step_replay_equals_the_called_block(dtype, record):
 
 
 def test_graph_sees_parameters_updated_in_place_and_refuses_replaced_ones():
-    from tpfuser.graphs import GraphedForward
-    from tpfuser.runtime import ShardedBlock
+    from tpfuser.runtime.graphs import GraphedForward
+    from tpfuser.runtime.block import ShardedBlock
     cfg = preset("tiny", dtype="fp32", dropout=0.0)
     state = make_block(cfg).state_dict()
-    block = ShardedBlock(cfg, keys_on_device=True).load(state)
+    block = ShardedBlock(cfg, schedule=DEVICE_KEYS).load(state)
     graphed = GraphedForward(block)
     x = block.shard_input(make_input(cfg))
     before = graphed(x)["out"].clone()
@@ -98,11 +101,12 @@ def test_tp_block_graphs_train_as_the_called_module(dtype):
     """Three SGD steps of TPBlock(graphs=True) against TPBlock on the same fusions
     (device keys): outputs, input and parameter gradients equal bit for bit;
     a backward whose activations a later forward overwrote is refused."""
-    from tpfuser.runtime import ShardedBlock, TPBlock
+    from tpfuser.runtime.block import ShardedBlock
+    from tpfuser.runtime.module import TPBlock
     cfg = preset("tiny", dtype=dtype)
     state = make_block(cfg).state_dict()
     models = [TPBlock(cfg, graphs=g) for g in (False, True)]
-    models[0].runner = ShardedBlock(cfg, keys_on_device=True)   # called, on the graph's fusions
+    models[0].runner = ShardedBlock(cfg, schedule=DEVICE_KEYS)   # called, on the graph's fusions
     for model in models:
         model.load_full_state_dict(state)
     x = models[0].runner.shard_input(make_input(cfg))

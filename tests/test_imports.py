@@ -18,7 +18,7 @@ def _is_module(name: str) -> bool:   # `from tpfuser import launch`
 
 def stale_imports() -> list[str]:
     bad = []
-    for path in sorted([*ROOT.glob("tpfuser/*.py"), *ROOT.glob("tests/*.py"), *ROOT.glob("tools/*.py")]):
+    for path in sorted([*ROOT.glob("tpfuser/**/*.py"), *ROOT.glob("tests/*.py"), *ROOT.glob("tools/*.py")]):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "tpfuser":
                 module = importlib.import_module(node.module)
@@ -36,6 +36,6 @@ def test_a_stale_import_is_found(tmp_path, monkeypatch):
     import tests.test_imports as me
     fake = tmp_path / "tpfuser"
     fake.mkdir()
-    (fake / "stale.py").write_text("def f():\n    from tpfuser.launch import dp_group\n")
+    (fake / "stale.py").write_text("def f():\n    from tpfuser.dist.launch import dp_group\n")
     monkeypatch.setattr(me, "ROOT", tmp_path)
-    assert me.stale_imports() == ["tpfuser/stale.py:2: from tpfuser.launch import dp_group"]
+    assert me.stale_imports() == ["tpfuser/stale.py:2: from tpfuser.dist.launch import dp_group"]

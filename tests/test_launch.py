@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from tpfuser import launch, world
+from tpfuser.dist import launch, world
 from tpfuser.config import Layout
 
 
@@ -47,14 +47,14 @@ def test_torchrun_command():
 def test_torchrun_command_sharing_gpus_runs_each_rank_through_sharegpu():
     cmd, env = launch.torchrun_command(Layout(1, 8), ["check", "--tp", "8", "--share-gpu"],
                                       {"PATH": "/bin", "NVFUSER_MASTER_PORT": "1234"}, shared_gpus=1)
-    assert cmd[-6:] == ["-m", "tpfuser.sharegpu", "check", "--tp", "8", "--share-gpu"]
+    assert cmd[-6:] == ["-m", "tpfuser.dist.sharegpu", "check", "--tp", "8", "--share-gpu"]
     assert "--nproc-per-node=8" in cmd
     assert env == {"PATH": "/bin", "TPFUSER_SHARED_GPUS": "1"}
 
 
 @pytest.mark.parametrize("rank", [0, 5])
 def test_sharegpu_rank_environment(rank):
-    from tpfuser.sharegpu import rank_environment
+    from tpfuser.dist.sharegpu import rank_environment
     env = rank_environment({"RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_PORT": "29400",
                             "TPFUSER_SHARED_GPUS": "2"})
     assert env["NCCL_HOSTID"].endswith(f"-{rank}")          # every rank its own host to NCCL
@@ -65,7 +65,7 @@ def test_sharegpu_rank_environment(rank):
 
 
 def test_sharegpu_ranks_get_distinct_nccl_hosts():
-    from tpfuser.sharegpu import rank_environment
+    from tpfuser.dist.sharegpu import rank_environment
     hosts = {rank_environment({"RANK": str(r)})["NCCL_HOSTID"] for r in range(8)}
     assert len(hosts) == 8
 
@@ -173,7 +173,7 @@ def test_timeout_ends_every_rank(tmp_path, monkeypatch, capsys):
 # arms its stack dumps as tpfuser's entry points do. The launcher is no rank (no RANK).
 RANK_PROGRAM = r"""
 import os, sys, tempfile, time
-from tpfuser.launch import arm_stack_dumps
+from tpfuser.dist.launch import arm_stack_dumps
 arm_stack_dumps()
 def waiting_in_a_collective():
     with tempfile.TemporaryFile() as log:

@@ -9,8 +9,8 @@ import pytest
 
 from tpfuser.cli import main
 from tpfuser.config import Layout, preset
-from tpfuser.overlap import Step, overlap_model
-from tpfuser.plan import Collective
+from tpfuser.parallel.overlap_model import Step, overlap_model
+from tpfuser.parallel.placements import Collective
 
 
 def _step(c, g, n):
@@ -61,7 +61,7 @@ def test_plan_overlap_prints_and_writes_the_model(tmp_path, capsys):
 def _decomposition_rank(rank, world, init_file, results):
     import torch
     import torch.distributed as dist
-    from tpfuser.overlap import allgather_matmul, matmul_reducescatter
+    from tpfuser.parallel.overlap_model import allgather_matmul, matmul_reducescatter
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         gen = torch.Generator().manual_seed(0)   # every rank draws the same global tensors
@@ -107,7 +107,7 @@ def test_overlapped_row_parallel_linear_is_cut_into_stream_chunks():
     """The row-parallel linear's tokens on a stream axis, its inner size over tp (nvFuser's
     test_row_parallel_linear_forward, at the MLP's c_proj of tiny)."""
     import torch
-    from tpfuser.fusion import row_parallel_overlapped
+    from tpfuser.parallel.overlapped import row_parallel_overlapped
     of = row_parallel_overlapped(64, 256, 64, tp=2, chunks=4, dtype=torch.float32)
     h, w = (str(t) for t in of.inputs)
     assert "istreamIdx" in h and "{4}" in h.split("istreamIdx")[1][:8] and "ideviceIdx.x" in h
@@ -117,7 +117,7 @@ def test_overlapped_row_parallel_linear_is_cut_into_stream_chunks():
 
 def test_overlapped_allgather_linear_streams_its_output_chunks():
     import torch
-    from tpfuser.fusion import allgather_column_parallel_overlapped
+    from tpfuser.parallel.overlapped import allgather_column_parallel_overlapped
     of = allgather_column_parallel_overlapped(64, 64, 256, tp=2, chunks=4, dtype=torch.float32)
     x = str(of.inputs[0])
     assert x.startswith("T0_g_float[iS0{4}, ideviceIdx.x1{2}, iS2{8}, iS3{64}]")   # [chunks, tp, rows, n_in]
@@ -130,15 +130,15 @@ def test_overlapped_allgather_linear_streams_its_output_chunks():
     ("allgather_column_parallel_overlapped", (64, 64, 256, 4, 32), "chunks=32 x tp=4 must divide the tokens (64)"),
 ])
 def test_overlap_fusions_refuse_what_does_not_divide(build, args, words):
-    import tpfuser.fusion as fusion
+    import tpfuser.parallel.overlapped as overlapped
     with pytest.raises(ValueError, match=re.escape(words)):
-        getattr(fusion, build)(*args)
+        getattr(overlapped, build)(*args)
 
 
 def test_overlap_refuses_a_rank_beyond_the_gpus_nvfuser_would_index():
     """Run 15: nvFuser 0.2.36's host IR evaluator indexes CUDA devices by global
     rank, so rank 1 of ranks sharing one GPU failed deep inside nvFuser; refused first."""
-    from tpfuser.fusion import check_host_ir_device
+    from tpfuser.dist.sharegpu import check_host_ir_device
     check_host_ir_device(0, 1)
     check_host_ir_device(3, 4)
     with pytest.raises(ValueError, match=re.escape("CUDA device <global rank> (1), and this process sees 1 GPU(s)")):

@@ -8,14 +8,14 @@ import pytest
 import torch.multiprocessing as mp
 
 from tpfuser.config import preset
-from tpfuser.reference import make_block, make_input
+from tpfuser.verify.reference import make_block, make_input
 
 
 def _rank(rank, world, init_file, results):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from tpfuser.peers import dtensor_block, full_grads
-    from tpfuser.reference import sdpa_forward
+    from tpfuser.bench.peers import dtensor_block, full_grads
+    from tpfuser.verify.reference import sdpa_forward
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         cfg = preset("tiny", dtype="fp32", dropout=0.0)

@@ -2,8 +2,8 @@ import json
 
 from tpfuser.cli import main
 from tpfuser.config import Layout, preset
-from tpfuser.plan import forward_flops
-from tpfuser.report import plan_report
+from tpfuser.parallel.placements import forward_flops
+from tpfuser.parallel.report import plan_report
 
 
 def test_gpt3_tp8_plan(tmp_path, capsys):
@@ -16,7 +16,7 @@ def test_gpt3_tp8_plan(tmp_path, capsys):
     assert tensors["mlp.c_proj.weight"]["local_shape"] == [12288, 6144]
     b, s, e = 1, 2048, 12288
     assert [(c["kind"], c["axis"]) for c in rep["collectives"]] == [("allreduce", "tp")] * 2
-    assert all(c["shape"] == [b, s, e] and c["bytes_per_rank"] == b * s * e * 2 for c in rep["collectives"])
+    assert all(c["shape"] == [b, s, e] and c["tensor_bytes"] == b * s * e * 2 for c in rep["collectives"])
     assert rep["collectives_over_dp"] == 0
     out = capsys.readouterr().out
     assert "(4608, 12288)" in out and "allreduce over tp after attn.c_proj" in out
@@ -49,7 +49,7 @@ def test_plan_rejects_bad_mesh(capsys):
 
 
 def test_saved_for_backward_bytes_by_hand():
-    from tpfuser.plan import saved_bytes_per_rank
+    from tpfuser.parallel.placements import saved_bytes_per_rank
     cfg = preset("tiny", dtype="fp32")   # rows b*s = 64, e = 64, fp32: no flash-attention state
     stats, x, x1 = 4 * 64 * 4, 64 * 64 * 4, 64 * 64 * 4
     qkv, mlp_h = 64 * 192 * 4, 64 * 256 * 4   # q, k, v: 3 x [4, 8, 16, 8], as many elements as qkv
@@ -78,22 +78,22 @@ def test_gpt3_tp8_sequence_parallel_plan(tmp_path):
     assert [(c["kind"], c["where"]) for c in rep["collectives"]] == [
         ("allgather", "before attn.c_attn"), ("reducescatter", "after attn.c_proj"),
         ("allgather", "before mlp.c_fc"), ("reducescatter", "after mlp.c_proj")]
-    assert all(c["bytes_per_rank"] == size and c["wire_bytes_per_rank"] == 7 * size // 8 for c in rep["collectives"])
+    assert all(c["tensor_bytes"] == size and c["wire_bytes_per_rank"] == 7 * size // 8 for c in rep["collectives"])
     saved = rep["saved_for_backward_bytes_per_rank_by_parallelism"]
     assert saved["tp+sp"] < saved["tp"]
 
 
 def test_tp_allreduce_wire_bytes():
-    from tpfuser.plan import collectives
+    from tpfuser.parallel.placements import collectives
     (first, _) = collectives(preset("gpt3"), Layout(1, 8))
-    assert first.wire_bytes_per_rank == 2 * 7 * first.bytes_per_rank // 8
+    assert first.wire_bytes_per_rank == 2 * 7 * first.tensor_bytes // 8
 
 
 def test_backward_collectives():
     """Megatron's backward over tp: TP all-reduces each column-parallel input
     gradient; SP gathers the upstream gradient and the LayerNorm output and
     reduce-scatters the input gradient, for the MLP then attention."""
-    from tpfuser.plan import backward_collectives
+    from tpfuser.parallel.placements import backward_collectives
     cfg = preset("gpt3")
     tp = backward_collectives(cfg, Layout(1, 8))
     assert [(c.kind, c.where) for c in tp] == [("allreduce", "after mlp.c_fc input gradient"),
@@ -115,9 +115,9 @@ def test_backward_collectives():
 
 
 def test_committed_gpt3_tp8_plan_is_what_the_command_prints(capsys):
-    """results/plan_gpt3_tp8.md shows the plan (issue: sequence parallelism); it must not drift from the code."""
+    """docs/plan_gpt3_tp8.md shows the plan (issue: sequence parallelism); it must not drift from the code."""
     import re
-    text = open("results/plan_gpt3_tp8.md").read()
+    text = open("docs/plan_gpt3_tp8.md").read()
     blocks = re.findall(r"```\n(.*?)```", text, flags=re.S)
     assert len(blocks) == 2
     for block, extra in zip(blocks, ([], ["--sp"])):
@@ -128,10 +128,12 @@ def test_committed_gpt3_tp8_plan_is_what_the_command_prints(capsys):
 def test_backward_intermediates_are_placed_where_the_collectives_go():
     """Under SP the linears' gradients read the recomputed LayerNorm outputs and the
     row-parallel output gradients whole (all-gathered: replicated over tp), and the
-    LayerNorm output gradients come out split on the sequence (reduce-scattered)."""
-    from tpfuser.plan import DP, TP, placements
+    LayerNorm output gradients come out split on the sequence (reduce-scattered).
+    (The recomputed LayerNorm outputs are ln_N.out.whole: ln_N.out is now the
+    forward's cut-point tensor, split on the sequence under SP.)"""
+    from tpfuser.parallel.placements import DP, TP, placements
     sp, tp = placements(Layout(2, 4, sp=True)), placements(Layout(2, 4))
-    for name in ("ln_1.out", "ln_2.out", "g.attn.c_proj.out", "g.mlp.c_proj.out"):
+    for name in ("ln_1.out.whole", "ln_2.out.whole", "g.attn.c_proj.out", "g.mlp.c_proj.out"):
         assert sp[name] == tp[name] == {0: DP}, name
     for name in ("g.ln_1.out", "g.ln_2.out"):
         assert sp[name] == {0: DP, 1: TP} and tp[name] == {0: DP}, name

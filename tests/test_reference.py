@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from tpfuser.config import preset
-from tpfuser.reference import PARAM_NAMES, Block, Masks, make_block, make_input
+from tpfuser.block.tensors import PARAM_NAMES
+from tpfuser.verify.reference import Block, Masks, make_block, make_input
 
 
 def explicit_block(x, w, n_head, p=0.0, masks=None):
@@ -69,8 +70,8 @@ def test_reference_matches_explicit_float64(dropout):
 def test_sdpa_forward_is_the_reference_block():
     """The user's training forward (SDPA, F.dropout) the eager, compile and DTensor
     peers run equals the oracle's forward at dropout 0, in both c_attn row orders."""
-    from tpfuser.reference import sdpa_forward
-    from tpfuser.shard import qkv_heads_interleaved
+    from tpfuser.verify.reference import sdpa_forward
+    from tpfuser.parallel.shard import qkv_heads_interleaved
     cfg = preset("tiny", dropout=0.0)
     block = make_block(cfg, dtype=torch.float64)
     x = make_input(cfg, dtype=torch.float64)

@@ -4,10 +4,13 @@ import torch
 
 from tpfuser.cli import NO_GPU, main
 from tpfuser.config import Layout, preset
-from tpfuser.fusion import rng_input_names, saved_names
-from tpfuser.reference import PARAM_NAMES, make_block
-from tpfuser.runtime import ShardedBlock
-from tpfuser.world import check_world
+from tpfuser.block.inputs import rng_input_names
+from tpfuser.block.forward import saved_names
+from tpfuser.block.tensors import PARAM_NAMES
+from tpfuser.verify.reference import make_block
+from tpfuser.parallel.schedules import SCHEDULES
+from tpfuser.runtime.block import ShardedBlock
+from tpfuser.dist.world import check_world
 
 
 @pytest.fixture
@@ -45,7 +48,8 @@ def test_load_rejects_missing_param(block):
 
 
 def test_load_shards_checks_local_shape_dtype_device(block):
-    shards = [torch.zeros(block.local_param_shape(n)) for n in block.fusion.inputs if n != "x"]
+    shards = [torch.zeros(block.local_param_shape(n)) for n in block.forward_pass.inputs if n in PARAM_NAMES]
+    assert len(shards) == len(PARAM_NAMES)
     with pytest.raises(ValueError, match=r"ln_1.weight: expected a CUDA tensor \(got device cpu\) for rank 3 of mesh 2x2"):
         block.load_shards(shards)
     with pytest.raises(ValueError, match=r"attn.c_attn.weight: expected shape \(96, 64\) \(got \(3, 3\)\)"):
@@ -80,59 +84,73 @@ def test_eval_mode_is_the_same_runner_with_fusions_without_dropout():
     cfg = preset("tiny", dtype="fp32", dropout=0.1)
     b = ShardedBlock(cfg, Layout(2, 2), rank=3, device=torch.device("cpu"))
     assert b.mode_cfg(True) is cfg and b.mode_cfg(False) == cfg.replace(dropout=0.0)
-    assert b._fusion("forward", True) is b.fusion
-    no_dropout = b._fusion("forward", False)
-    assert no_dropout is not b.fusion and b._fusion("forward", False) is no_dropout   # built once
+    assert b.pass_of("forward", True) is b.forward_pass
+    no_dropout = b.pass_of("forward", False)
+    assert no_dropout is not b.forward_pass and b.pass_of("forward", False) is no_dropout   # built once
     assert rng_input_names(cfg) and not rng_input_names(b.mode_cfg(False))
-    assert len(no_dropout.fd.fusion.inputs()) == len(b.fusion.fd.fusion.inputs()) - len(rng_input_names(cfg))
+    assert len(no_dropout.inputs) == len(b.forward_pass.inputs) - len(rng_input_names(cfg))   # over its fusions
+    whole = ShardedBlock(cfg, Layout(2, 2), rank=3, device=torch.device("cpu"), schedule="megatron-whole")
+    assert len(whole.pass_of("forward", False).pieces[0].fd.fusion.inputs()) == \
+        len(whole.forward_pass.pieces[0].fd.fusion.inputs()) - len(rng_input_names(cfg))   # the one fusion's
     assert set(saved_names(cfg)) - set(saved_names(b.mode_cfg(False))) == {"attn_keep", "resid_attn_keep",
                                                                             "resid_mlp_keep"}
     plain = ShardedBlock(cfg.replace(dropout=0.0), device=torch.device("cpu"))
-    assert plain._fusion("forward", False) is plain.fusion   # nothing to switch off
+    assert plain.pass_of("forward", False) is plain.forward_pass   # nothing to switch off
 
 
-def test_module_modes_route_to_their_fusions(monkeypatch):
+@pytest.mark.parametrize("schedule", ["megatron-whole", "megatron"])
+def test_module_modes_route_to_their_fusions(monkeypatch, schedule):
     """TPBlock eval -> train -> eval, each with a backward, then eval under no_grad:
-    which fusion each call runs (the fusions' execute faked: no GPU), how many
-    inputs it gets (keys and masks only with dropout), each fusion built once,
-    one training step taken."""
-    from tpfuser.runtime import TPBlock
+    which pass each call runs (its fusions' execute faked: no GPU), how many
+    inputs it gets (keys and masks only with dropout), each pass built once,
+    one training step taken. Under the single-fusion schedule a pass is one
+    call; under the default one each of its fusions is called in turn and the
+    pass's inputs (what it reads from outside) are counted."""
+    from tpfuser.runtime.module import TPBlock
     cfg = preset("tiny", dtype="fp32")
-    model = TPBlock(cfg, device=torch.device("cpu"))
+    model = TPBlock(cfg, device=torch.device("cpu"), schedule=schedule)
     monkeypatch.setattr(model.runner, "_validate", lambda *args: None)
     model.load_full_state_dict(make_block(cfg).state_dict())
     calls, runner, n = [], model.runner, len(PARAM_NAMES)
+    params = dict(zip(PARAM_NAMES, model.shards))
+    x = torch.zeros(1, requires_grad=True)
 
-    def fake(fusion, key):
+    def fake(piece, key):
         def execute(inputs, *options, **more):
             calls.append((*key, len(inputs)))
-            if key[0] == "backward":   # grad_x, then the parameters' (inputs: grad_out, x, params, saved)
-                return [torch.zeros_like(inputs[1]), *(torch.zeros_like(p) for p in inputs[2:2 + n])]
-            return [torch.zeros(1) for _ in fusion.outputs]
+            # the backward's gradients shaped as what they are the gradients of (autograd checks)
+            return [torch.zeros_like(x) if name == "grad_x" else
+                    torch.zeros_like(params[name.removeprefix("grad.")]) if name.startswith("grad.") else
+                    torch.zeros(1) for name in piece.outputs]
         return execute
     for kind in ("forward", "train", "backward"):
         for dropout in (True, False):
-            f = runner._fusion(kind, dropout)
-            monkeypatch.setattr(f if kind == "backward" else f.fd, "execute", fake(f, (kind, dropout)))
-    x = torch.zeros(1, requires_grad=True)
+            for piece in runner.pass_of(kind, dropout).pieces:
+                monkeypatch.setattr(piece.fd, "execute", fake(piece, (kind, dropout)))
     for mode in ("eval", "train", "eval"):
         getattr(model, mode)()
         model(x).sum().backward()
     with torch.no_grad():
         model.eval()(x)
     keys, masks = len(rng_input_names(cfg)), 3
-    assert calls == [("train", False, 1 + n), ("backward", False, 2 + n + len(saved_names(runner.mode_cfg(False)))),
-                     ("train", True, 1 + n + keys), ("backward", True, 2 + n + len(saved_names(cfg))),
-                     ("train", False, 1 + n), ("backward", False, 2 + n + len(saved_names(runner.mode_cfg(False)))),
-                     ("forward", False, 1 + n)]
+    biases = 4   # the backward no longer takes the linears' biases (their gradients are row sums: never read)
+    expected = [("train", False, 1 + n), ("backward", False, 2 + n - biases + len(saved_names(runner.mode_cfg(False)))),
+                ("train", True, 1 + n + keys), ("backward", True, 2 + n - biases + len(saved_names(cfg))),
+                ("train", False, 1 + n), ("backward", False, 2 + n - biases + len(saved_names(runner.mode_cfg(False)))),
+                ("forward", False, 1 + n)]
+    assert [len(runner.pass_of(kind, dropout).inputs) for kind, dropout, _ in expected] == [m for *_, m in expected]
+    pieces = [(kind, dropout) for kind, dropout, _ in expected for _ in runner.pass_of(kind, dropout).pieces]
+    assert [(kind, dropout) for kind, dropout, _ in calls] == pieces
+    if schedule == "megatron-whole":   # one fusion a pass: its inputs are the pass's
+        assert calls == expected
     assert len(saved_names(cfg)) - len(saved_names(runner.mode_cfg(False))) == masks
-    assert len(runner._fusions) == 6 and model.step == 1
+    assert len(runner._passes) == 6 and model.step == 1
 
 
 def test_rank_shards_are_the_slices_of_the_fusion_params():
-    from tpfuser.reference import make_block
-    from tpfuser.shard import fusion_params, rank_params
-    from tpfuser.weights import rank_shards
+    from tpfuser.verify.reference import make_block
+    from tpfuser.parallel.shard import fusion_params, rank_params
+    from tpfuser.runtime.weights import rank_shards
     cfg = preset("tiny", dtype="bf16")
     state = make_block(cfg).state_dict()
     shards = rank_shards(state, cfg, Layout(1, 2), 1)
@@ -150,9 +168,14 @@ def test_check_without_gpu_says_so_in_one_line(capsys):
 
 
 def test_show_prints_the_fusion(capsys):
-    assert main(["show", "--preset", "tiny", "--dp", "2", "--tp", "2"]) == 0
+    """show prints a summary of the pass's fusions (verify.inspect.pass_summary); --ir nvFuser's text."""
+    assert main(["show", "--preset", "tiny", "--dp", "2", "--tp", "2", "--ir"]) == 0
     out = capsys.readouterr().out
     assert "linear(" in out and "DeviceMesh{{0 1}{2 3}}" in out
+    assert main(["show", "--preset", "tiny", "--dp", "2", "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("forward pass, bf16, batch 4: ") and "run by ATen: 2 linear" in out
+    assert "linear(" not in out and "%kernel_math" not in out
 
 
 def test_main_job_without_gpu(capsys):
@@ -163,24 +186,40 @@ def test_main_job_without_gpu(capsys):
     lines = out.rstrip().splitlines()
     assert lines[0].startswith("tiny: one GPT-2 block, batch 4, seq 16, n_embd 64, 8 heads of 8")
     assert "allreduce over tp after attn.c_proj" in out and "matmul FLOPs per rank" in out   # the plan
-    assert "run by ATen: 4 linear, 1 flash attention" in out                               # the fusion, in brief
-    assert "%kernel_math" not in out and len(lines) < 50                                   # not its IR
-    assert lines[-1].startswith(NO_GPU) and "`tpfuser show --preset tiny`" in lines[-1]
+    assert aten_calls(out) == {"linear": 4, "flash attention": 1}                          # the fusions, in brief
+    assert "%kernel_math" not in out and len(lines) < 60                                   # not their IR
+    assert lines[-1].startswith(NO_GPU) and "`tpfuser show --preset tiny --ir`" in lines[-1]
+
+
+def aten_calls(summary: str) -> dict[str, int]:
+    """What pass_summary says ATen runs, summed over its fusions' lines "run by ATen: 2 linear, ..."."""
+    import re
+    total = {}
+    for line in re.findall(r"run by ATen: ([^;]*);", summary):
+        for part in line.split(", "):
+            count, what = part.split(" ", 1)
+            total[what] = total.get(what, 0) + int(count)
+    return total
 
 
 def test_fusion_summary_counts_what_aten_runs():
-    """fp32 writes attention out: two matmuls and the softmax's two reductions instead of flash attention."""
-    from tpfuser.cli import fusion_summary
-    from tpfuser.fusion import build_forward
-    text = fusion_summary(build_forward(preset("tiny", dtype="fp32"), Layout(1, 1)))
-    assert "run by ATen: 4 linear, 2 matmul\n" in text and "flash" not in text
-    assert "2 LayerNorm statistics (Welford), 2 softmax reductions" in text and "the 7 gaps around the 6 ATen calls" in text
+    """fp32 writes attention out: two matmuls instead of flash attention (pass_summary,
+    which replaced cli.fusion_summary; it no longer counts the reductions and gaps).
+    The single fusion's line, and the default schedule's fusions summed."""
+    from tpfuser.parallel.schedule import build_forward
+    from tpfuser.verify.inspect import pass_summary
+    cfg = preset("tiny", dtype="fp32")
+    whole = pass_summary(build_forward(cfg, Layout(1, 1), schedule="megatron-whole"), SCHEDULES["megatron-whole"])
+    assert "run by ATen: 4 linear, 2 matmul;" in whole and "flash" not in whole
+    assert "1 fusion(s) under schedule megatron-whole" in whole
+    text = pass_summary(build_forward(cfg, Layout(1, 1)), SCHEDULES["megatron"])
+    assert aten_calls(text) == {"linear": 4, "matmul": 2} and "flash" not in text
 
 
 def test_check_table_one_line_a_rank_and_case():
     """The table `check` (and the main job on a GPU) prints from every rank's results."""
-    from tpfuser.check import RankReport
-    from tpfuser.meshcheck import format_checks
+    from tpfuser.verify.check import RankReport
+    from tpfuser.verify.meshes import format_checks
     good = RankReport("tiny", "bf16", 0.1, "1x2", False, 0,
                       forward={"rel_err": 2e-3, "branch_rel_err": 4e-2, "tolerance": 1e-2,
                                "mask_mismatches": {"resid_attn_keep": 0}, "wrong_stream_branch_rel_err": 0.16},
@@ -222,7 +261,7 @@ def test_bench_refuses_what_this_machine_cannot_run(capsys):
 
 
 def test_bench_default_implementations_follow_the_mesh():
-    from tpfuser.bench import default_impls
+    from tpfuser.bench.run import default_impls
     graphs = ("nvfuser", "nvfuser-graph", "eager", "eager-graph", "compile", "compile-reduce-overhead")
     assert default_impls(Layout(1, 1)) == ("nvfuser", "nvfuser-graph", "nvfuser-nomesh", "eager", "eager-graph",
                                            "compile", "compile-reduce-overhead")
@@ -233,7 +272,7 @@ def test_bench_default_implementations_follow_the_mesh():
 def test_comm_floor_by_hand():
     """gpt3 at tp 8: two all-reduces of 48 MiB forward, each rank sending 2 * 7/8 of it;
     a training step adds the backward's two; at 450 GB/s of bus bandwidth."""
-    from tpfuser.bench import comm_floor_ms
+    from tpfuser.bench.run import comm_floor_ms
     wire = 2 * 7 / 8 * 2048 * 12288 * 2
     assert comm_floor_ms(preset("gpt3"), Layout(1, 8), 450e9, train=False) == pytest.approx(2 * wire / 450e9 * 1e3)
     assert comm_floor_ms(preset("gpt3"), Layout(1, 8), 450e9, train=True) == pytest.approx(4 * wire / 450e9 * 1e3)
@@ -244,7 +283,7 @@ def test_comm_floor_by_hand():
 
 def test_kernel_summary_by_hand():
     """Two calls: 3 kernels each, 0.15 ms of GPU time a call of a 0.4 ms call, the rest idle."""
-    from tpfuser.bench import kernel_summary
+    from tpfuser.bench.run import kernel_summary
     kernels = [("gemm", 100.0), ("ln", 20.0), ("gelu", 30.0)] * 2
     s = kernel_summary(kernels, calls=2, median_ms=0.4, top=2)
     assert s["kernels_per_call"] == 3 and s["kernel_ms_per_call"] == pytest.approx(0.15)
@@ -255,46 +294,50 @@ def test_kernel_summary_by_hand():
 
 
 def test_readme_transcript_is_what_main_prints(capsys):
-    """The README's fresh-clone transcript of `make` shows what the main job prints today."""
+    """The fresh-clone transcript of `make` (docs/main-transcript.md, linked
+    from the README) shows what the main job prints today."""
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the main job checks instead")
-    readme = open("README.md").read()
-    start = readme.index("    .venv/bin/tpfuser main\n") + len("    .venv/bin/tpfuser main\n")
-    end = readme.index("\nDependencies are pinned")
-    shown = [line[4:] for line in readme[start:end].rstrip().splitlines()]
+    doc = open("docs/main-transcript.md").read()
+    start = doc.index("    .venv/bin/tpfuser main\n") + len("    .venv/bin/tpfuser main\n")
+    shown = [line[4:] for line in doc[start:].rstrip().splitlines()]
     assert main(["main"]) == 0
     printed = capsys.readouterr().out.rstrip().splitlines()
     assert shown == printed
 
 
 def test_enable_reaches_every_fusion_call_and_nothing_is_passed_by_default():
-    """ShardedBlock(enable=...) (bench's nvfuser-graph-fm: fuse_matmul) turns the
-    options on for the forward, the training forward and the backward alike."""
+    """A schedule's enable_options (was ShardedBlock(enable=...); bench's
+    nvfuser-graph-fm: fuse_matmul) turns the options on for every fusion of the
+    forward, the training forward and the backward alike."""
     cfg = preset("tiny", dtype="fp32")
     for enable, want in (((), {}), (("fuse_matmul",), {"_enable_options": ["fuse_matmul"]})):
-        block = ShardedBlock(cfg, device=torch.device("cpu"), enable=enable)
+        block = ShardedBlock(cfg, device=torch.device("cpu"), schedule=SCHEDULES["megatron"].replace(enable_options=enable))
         block._validate = lambda *args: None
         block.load(make_block(cfg).state_dict())
-        seen = []
+        seen, fusions = [], 0
         for kind in ("forward", "train", "backward"):
-            fusion = block._fusion(kind, True)
-            n = len(PARAM_NAMES) + 1 if kind == "backward" else len(fusion.outputs)
-            outs = [torch.zeros(1)] * n
+            for piece in block.pass_of(kind, True).pieces:
+                outs = [torch.zeros(1)] * len(piece.outputs)
 
-            def execute(inputs, _disable_options=None, outs=outs, **options):
-                seen.append(options)
-                return outs
-            setattr(fusion.fd, "execute", execute)
+                def execute(inputs, _disable_options=None, outs=outs, **options):
+                    seen.append(options)
+                    return outs
+                setattr(piece.fd, "execute", execute)
+                fusions += 1
         x = torch.zeros(cfg.batch, cfg.seq, cfg.n_embd)
         block(x)
         _, saved = block.forward_train(x)
         block.backward(x, x, saved)
-        assert seen == [want] * 3
+        assert fusions > 3 and seen == [want] * fusions
 
 
 def test_enable_as_a_bare_string_is_refused():
-    with pytest.raises(ValueError, match=r"enable='fuse_matmul': a tuple of nvFuser option names, e.g. \('fuse_matmul',\)"):
-        ShardedBlock(preset("tiny"), device=torch.device("cpu"), enable="fuse_matmul")
+    """enable_options is a schedule field now: a bare string is refused where the schedule is made."""
+    with pytest.raises(ValueError, match=r"'enable_options': expected a list of strings, got 'fuse_matmul'"):
+        SCHEDULES["megatron"].replace(enable_options="fuse_matmul")
+    with pytest.raises(ValueError, match=r"'enable_options': expected a list of strings, got 'fuse_matmul'"):
+        ShardedBlock(preset("tiny"), device=torch.device("cpu"), schedule={"enable_options": "fuse_matmul"})
 
 
 def test_kernel_summary_says_where_the_gpu_waits():
@@ -302,8 +345,8 @@ def test_kernel_summary_says_where_the_gpu_waits():
     name (two calls: a copy, 4 us before the GEMM, 5 before the LayerNorm, the
     second call's copy 66 us after the first's end; a second stream's kernel
     inside the GEMM adds no gap)."""
-    from tpfuser.bench import kernel_summary
-    from tpfuser.benchreport import format_table
+    from tpfuser.bench.run import kernel_summary
+    from tpfuser.bench.report import format_table
     kernels = []
     for call in range(2):
         t = call * 200.0

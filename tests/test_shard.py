@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from tpfuser.config import Layout, preset
-from tpfuser.plan import placements
-from tpfuser.reference import make_block, make_input
-from tpfuser.shard import gather, local_slice, qkv_blocked, qkv_heads_interleaved, rank_params, fusion_params
+from tpfuser.parallel.placements import placements
+from tpfuser.verify.reference import make_block, make_input
+from tpfuser.parallel.shard import gather, local_slice, qkv_blocked, qkv_heads_interleaved, rank_params, fusion_params
 from tests.simulation import simulate_forward
 
 PLACEMENTS = placements(Layout())   # tensor parallelism alone

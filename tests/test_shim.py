@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from tpfuser.sharegpu import SHIM_NAME, SHIM_VARIABLE, build_default_stream_shim, rank_environment
+from tpfuser.dist.sharegpu import SHIM_NAME, SHIM_VARIABLE, build_default_stream_shim, rank_environment
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
                                 reason="needs a C compiler")
@@ -66,7 +66,7 @@ def test_in_a_torch_process_the_shim_finds_c10s_own_function(tmp_path):
 
 
 def test_built_once_and_again_when_the_source_changes(tmp_path):
-    from tpfuser import sharegpu
+    from tpfuser.dist import sharegpu
     source = os.path.join(os.path.dirname(sharegpu.__file__), "shim", "default_stream.c")
     first = build_default_stream_shim(str(tmp_path))
     made = os.path.getmtime(first)
@@ -82,7 +82,7 @@ def test_a_rank_preloads_the_shim_it_is_given_and_knows_it(tmp_path):
     env = rank_environment({"RANK": "1", SHIM_VARIABLE: shim, "LD_PRELOAD": "/x/other.so"})
     assert env["LD_PRELOAD"] == f"{shim} /x/other.so"
     assert "LD_PRELOAD" not in rank_environment({"RANK": "1"})
-    probe = ("from tpfuser.fusion import check_host_ir_device; check_host_ir_device(1, 1); "
+    probe = ("from tpfuser.dist.sharegpu import check_host_ir_device; check_host_ir_device(1, 1); "
              "print('allowed')")
     preloaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                                env={**os.environ, "LD_PRELOAD": shim})

@@ -3,9 +3,10 @@ follow from their dimensions (plan.placement)."""
 import pytest
 
 from tpfuser.config import Layout, preset
-from tpfuser.plan import DP, TP, placements
-from tpfuser.reference import PARAM_NAMES, make_block
-from tpfuser.tensors import BY_NAME, TENSORS, dim_sizes, saved, tensors
+from tpfuser.parallel.placements import DP, TP, placements
+from tpfuser.block.tensors import PARAM_NAMES
+from tpfuser.verify.reference import make_block
+from tpfuser.block.tensors import BY_NAME, TENSORS, dim_sizes, saved, tensors
 
 
 def test_names_are_unique_and_dims_known():
@@ -49,7 +50,7 @@ def test_saved_depend_on_dtype_and_dropout():
 
 
 def test_flash_layout_is_the_heads_inside_the_sequence_in_bf16_only():
-    from tpfuser.tensors import memory_order
+    from tpfuser.block.tensors import memory_order
     bf16, fp32 = preset("tiny", dtype="bf16"), preset("tiny", dtype="fp32")
     laid = {t.name: memory_order(t, bf16) for t in tensors(bf16) if memory_order(t, bf16) is not None}
     assert laid == {name: (0, 2, 1, 3) for name in ("q", "k", "v", "sdpa_out")}   # (b, h, s, d) held as (b, s, h, d)

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from tpfuser.config import Layout, preset
-from tpfuser.reference import Block, make_block, make_input
-from tpfuser.runtime import ShardedBlock
-from tpfuser.weights import from_hf_gpt2
+from tpfuser.block.tensors import PARAM_NAMES
+from tpfuser.verify.reference import Block, make_block, make_input
+from tpfuser.runtime.block import ShardedBlock
+from tpfuser.runtime.weights import from_hf_gpt2
 
 transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
@@ -145,10 +146,10 @@ LOAD_REFUSALS = [
     ("not_a_tensor", lambda b: b.load(with_(nanogpt_state(), "ln_1.bias", [0.0] * 64)),
      ["ln_1.bias: expected a torch.Tensor, got list"]),
     ("int_shard", lambda b: b.load_shards([torch.zeros(b.local_param_shape(n), dtype=torch.int32)
-                                           for n in b.fusion.inputs if n != "x"]),
+                                           for n in PARAM_NAMES]),
      ["ln_1.weight: expected a floating-point tensor, got torch.int32"]),
     ("nan_shard", lambda b: b.load_shards([_nan_inf(torch.zeros(b.local_param_shape(n))) if n == "mlp.c_fc.bias"
-                                           else torch.zeros(b.local_param_shape(n)) for n in b.fusion.inputs if n != "x"]),
+                                           else torch.zeros(b.local_param_shape(n)) for n in PARAM_NAMES]),
      ["mlp.c_fc.bias: 3 of 256 elements are not finite (1 NaN, 2 inf)"]),
 ]
 
@@ -189,7 +190,7 @@ def test_fusion_matches_hf_gpt2_block(dtype, no_tf32):
     to check.bound(dtype, "out"); in bf16 HF runs in fp32 on the bf16-rounded weights
     and input, as check.py runs the reference."""
     os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
-    from tpfuser.check import bound
+    from tpfuser.verify.check import bound
     cfg = CFG.replace(dtype=dtype)
     hf = hf_block(cfg)
     if dtype == "bf16":

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from tpfuser import world
+from tpfuser.dist import world
 
 WORLD_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NVFUSER_MASTER_ADDR", "NVFUSER_MASTER_PORT",
               "OMPI_COMM_WORLD_SIZE", world.SINGLE_PROCESS_MARK)

@@ -4,7 +4,8 @@ One GPU, 1x1 mesh, `tiny`, dropout 0.1. The whole backward in each dtype
 asked, then, with --each, each output alone
 (define_backward(outputs=[name]): nvFuser compiles only what that output
 needs), built, scheduled on the mesh and run on the training forward's saved
-tensors. Parallel compilation is off, so an error is the failing segment's
+tensors. Under the single-fusion schedule (megatron-whole): a cut pass's
+earlier fusions return what crosses their cuts whatever the outputs asked. Parallel compilation is off, so an error is the failing segment's
 own. Prints a line per case.
 
     source .nvf/setup.sh; PYTHONPATH=$PWD python3 tools/backward_bisect.py [seconds] [bf16,fp32] [--each]
@@ -20,19 +21,30 @@ os.environ.setdefault("NVFUSER_DISABLE", "parallel_compile")
 os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
 import torch  # noqa: E402
 
-from tpfuser.commlog import error_line  # noqa: E402
+from tpfuser.verify.commlog import error_line  # noqa: E402
 from tpfuser.config import Layout, preset  # noqa: E402
-from tpfuser.fusion import backward_output_names, build_backward  # noqa: E402
-from tpfuser.reference import make_block, make_input  # noqa: E402
-from tpfuser.runtime import ShardedBlock  # noqa: E402
+from tpfuser.block.backward import backward_output_names  # noqa: E402
+from tpfuser.parallel.schedule import build_backward  # noqa: E402
+from tpfuser.verify.reference import make_block, make_input  # noqa: E402
+from tpfuser.runtime.block import ShardedBlock  # noqa: E402
+
+SCHEDULE = "megatron-whole"   # one fusion: an output subset compiles only what it needs
 
 
 def saved_inputs(cfg, layout):
     """The backward's inputs from a real training forward (which compiles on the mesh)."""
-    block = ShardedBlock(cfg, layout, device=torch.device("cuda")).load(make_block(cfg).state_dict())
+    block = ShardedBlock(cfg, layout, device=torch.device("cuda"), schedule=SCHEDULE).load(make_block(cfg).state_dict())
     x, g = block.shard_input(make_input(cfg)), block.shard_input(make_input(cfg, seed=2))
     _, saved = block.forward_train(x, 1, 5)
-    return block.backward_inputs(g, x, saved)
+    return block.backward_inputs(g, x, saved)   # by name
+
+
+def run_backward(cfg, layout, outputs, inputs: dict) -> None:
+    """The backward (or the part of it `outputs` need), its fusions run in order on `inputs` by name."""
+    built = build_backward(cfg, layout, outputs=outputs, schedule=SCHEDULE)
+    env = dict(inputs)
+    for piece in built.pieces:
+        env.update(zip(piece.outputs, piece.fd.execute([env[name] for name in piece.inputs], **built.options)))
 
 
 def main(budget_s: float, dtypes: str, each: bool) -> None:
@@ -50,7 +62,7 @@ def main(budget_s: float, dtypes: str, each: bool) -> None:
         row = {"dtype": dtype, "dropout": cfg.dropout, "outputs": outputs or "all"}
         start = time.perf_counter()
         try:
-            build_backward(cfg, layout, outputs=outputs).execute(inputs[dtype])
+            run_backward(cfg, layout, outputs, inputs[dtype])
             row["ok"] = True
         except Exception as e:  # nvFuser's compile asserts
             row["ok"], row["error"] = False, error_line(e, context=2, limit=1200)

@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from tpfuser.check import rel_l2
+from tpfuser.verify.oracle import rel_l2
 from tpfuser.config import preset
-from tpfuser.reference import make_block, make_input
+from tpfuser.verify.reference import make_block, make_input
 
 
 def sdpa(q, k, v):

@@ -24,8 +24,8 @@ import os
 import torch
 
 from tpfuser.config import preset
-from tpfuser.reference import make_block, make_input
-from tpfuser.runtime import ShardedBlock
+from tpfuser.verify.reference import make_block, make_input
+from tpfuser.runtime.block import ShardedBlock
 
 COPY_KERNELS = ("direct_copy", "copy_kernel")
 

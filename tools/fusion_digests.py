@@ -2,23 +2,26 @@
 around the fusions leaves them as they were (no GPU needed).
 
     python3 tools/fusion_digests.py > digests.json ; python3 tools/fusion_digests.py --check results/fusion_digests.json
+    python3 tools/fusion_digests.py --schedules megatron-whole,megatron-sp-whole   # another family of schedules
 
 For every preset, dtype, forward (inference, checking, training) and backward,
 on the meshes 1x1, 2x1, 1x2, 2x2, 1x8, 2x4 with and without sequence
 parallelism (where the preset allows the mesh) and without a mesh: the sha256
-of `fd.fusion.print_math()`.
+of the pass's fusions' `print_math()`, one after another. The schedule is the
+family's (TP, SP) pair: by default megatron and megatron-sp.
 """
 import hashlib
 import json
 import sys
 
 from tpfuser.config import PRESETS, Layout, preset
-from tpfuser.fusion import build_backward, build_forward
+from tpfuser.parallel.schedule import build_backward, build_forward
 
 MESHES = [(1, 1), (2, 1), (1, 2), (2, 2), (1, 8), (2, 4)]
 
 
-def digests() -> dict[str, str]:
+def digests(schedules=("megatron", "megatron-sp")) -> dict[str, str]:
+    tp_schedule, sp_schedule = schedules
     out = {}
     for name in sorted(PRESETS):
         for dtype in ("fp32", "bf16"):
@@ -31,20 +34,27 @@ def digests() -> dict[str, str]:
                     except ValueError:
                         continue
                 where = "none" if layout is None else f"{layout.dp}x{layout.tp}{'sp' if layout.sp else ''}"
-                fusions = {"forward": lambda: build_forward(cfg, layout),
-                           "forward.check": lambda: build_forward(cfg, layout, check=True),
-                           "forward.train": lambda: build_forward(cfg, layout, train=True),
-                           "backward": lambda: build_backward(cfg, layout)}
+                schedule = sp_schedule if layout is not None and layout.sp else tp_schedule
+                fusions = {"forward": lambda: build_forward(cfg, layout, schedule=schedule),
+                           "forward.check": lambda: build_forward(cfg, layout, check=True, schedule=schedule),
+                           "forward.train": lambda: build_forward(cfg, layout, train=True, schedule=schedule),
+                           "backward": lambda: build_backward(cfg, layout, schedule=schedule)}
                 for kind, build in fusions.items():
-                    text = build().fd.fusion.print_math()
+                    text = build().text()
                     out[f"{name}/{dtype}/{where}/{kind}"] = hashlib.sha256(text.encode()).hexdigest()[:16]
     return out
 
 
 if __name__ == "__main__":
-    now = digests()
-    if sys.argv[1:2] == ["--check"]:
-        before = json.load(open(sys.argv[2]))
+    args = sys.argv[1:]
+    schedules = ("megatron", "megatron-sp")
+    if "--schedules" in args:
+        i = args.index("--schedules")
+        schedules = tuple(args[i + 1].split(","))
+        del args[i:i + 2]
+    now = digests(schedules)
+    if args[:1] == ["--check"]:
+        before = json.load(open(args[1]))
         changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
         print(f"{len(now)} fusions, {len(changed)} changed" + "".join(f"\n  {k}" for k in changed))
         sys.exit(1 if changed else 0)

@@ -15,21 +15,20 @@ import time
 import torch
 
 from tpfuser.config import Layout, preset
-from tpfuser.reference import PARAM_NAMES, make_block
-from tpfuser.runtime import ShardedBlock
+from tpfuser.verify.reference import make_block
+from tpfuser.runtime.block import ShardedBlock
 
 
-def faked_block(name: str, layout: Layout = Layout()) -> ShardedBlock:
-    """A block on the CPU whose fusions return zeros at once."""
+def faked_block(name: str, layout: Layout = Layout(), schedule=None) -> ShardedBlock:
+    """A block on the CPU (under `schedule`, default the layout's) whose fusions return zeros at once."""
     cfg = preset(name, dtype="fp32")
-    block = ShardedBlock(cfg, layout, 0, device=torch.device("cpu"))
+    block = ShardedBlock(cfg, layout, 0, device=torch.device("cpu"), schedule=schedule)
     block._validate = lambda *args: None   # it asks for a CUDA device
     block.load(make_block(cfg).state_dict())
     for kind in ("forward", "train", "backward"):
-        fusion = block._fusion(kind, True)
-        outs = [torch.zeros(1) for _ in (range(1 + len(PARAM_NAMES)) if kind == "backward" else fusion.outputs)]
-        target = fusion if kind == "backward" else fusion.fd
-        target.execute = (lambda o: lambda inputs, *args, **kwargs: o)(outs)
+        for piece in block.pass_of(kind, True).pieces:
+            outs = [torch.zeros(1) for _ in piece.outputs]
+            piece.fd.execute = (lambda o: lambda inputs, *args, **kwargs: o)(outs)
     return block
 
 

@@ -25,7 +25,7 @@ import sys
 import time
 
 from tpfuser.config import Layout, preset
-from tpfuser.launch import shared_gpu_bytes
+from tpfuser.dist.launch import shared_gpu_bytes
 
 TINY_MESHES = [(2, 1), (1, 2), (2, 2), (1, 4), (2, 4), (1, 8)]
 JOBS = {
@@ -131,23 +131,25 @@ def recompared(rank: dict, split_unit_axes: bool = True) -> dict | None:
     written before a plan's fix is judged by the fixed plan, not its own verdict)
     for the fusions the report ran: split over a mesh axis of one device or not
     (its split_unit_axes; reports without the key, before run 28, ran split)."""
-    from tpfuser.check import compare_with_plan
+    from tpfuser.parallel.schedules import SCHEDULES
+    from tpfuser.verify.check import compare_with_plan
     if not rank.get("collectives"):
         return rank.get("collectives")
     dp, tp = map(int, rank["mesh"].split("x"))
     cfg = preset(rank["preset"], dtype=rank["dtype"], dropout=rank["dropout"])
     posted = {phase: c["posted"] for phase, c in rank["collectives"].items()}
-    return compare_with_plan(posted, cfg, Layout(dp, tp, rank["sp"]), rank["rank"], split_unit_axes)
+    schedule = SCHEDULES["megatron-sp" if rank["sp"] else "megatron"].replace(split_unit_axes=split_unit_axes)
+    return compare_with_plan(posted, cfg, Layout(dp, tp, rank["sp"]), rank["rank"], schedule)
 
 
 def passed(rank: dict, split_unit_axes: bool = True) -> bool:
     """A rank's verdict under today's rules (check.RankReport.ok) and plan, from its stored figures."""
-    from tpfuser.check import RankReport
+    from tpfuser.verify.check import RankReport
     if "error" in rank:
         return False
     fields = ("preset", "dtype", "dropout", "mesh", "sp", "rank", "forward", "backward")
     return RankReport(**{k: rank[k] for k in fields}, collectives=recompared(rank, split_unit_axes),
-                      graphs=rank.get("graphs")).ok
+                      graphs=rank.get("graphs"), repeats=rank.get("repeats")).ok
 
 
 def summarize(report: dict) -> dict:

@@ -1,6 +1,6 @@
 """Probe (run 13), the ground for graph-safe dropout (issue 15): a dropout key
 as a CUDA int64 tensor input of a meshed fusion (0-d, or [1] with `1d`),
-hashed with global positions (tpfuser.dropout), then a row-parallel linear
+hashed with global positions (tpfuser.block.dropout), then a row-parallel linear
 (an all-reduce over tp). Called, then captured in a CUDA graph and replayed
 after writing a new key into the static key tensor: each replay's mask must
 be the new key's.
@@ -15,8 +15,8 @@ import torch
 import nvfuser_direct as nvf
 from nvfuser_direct import DataType, FusionDefinition, ParallelType
 
-from tpfuser.dropout import hash_positions, keep_threshold, keep_mask
-from tpfuser.fusion import _global_positions, _int_ops
+from tpfuser.block.dropout import hash_positions, keep_threshold, keep_mask
+from tpfuser.block.ops import global_positions, int_ops
 
 comm = nvf.multidevice.Communicator.instance()
 tp, rank = comm.size(), comm.rank()
@@ -30,8 +30,8 @@ with FusionDefinition() as fd:
     key = fd.define_tensor(shape=KEY_SHAPE, contiguity=True, dtype=DataType.Int)
     key_in = key if not KEY_SHAPE else fd.ops.squeeze(key, dims=[0])
     start = fd.define_scalar(dtype=DataType.Int)
-    index = _global_positions(fd, [b, e], [None, start])
-    keep = fd.ops.lt(hash_positions(index, key_in, _int_ops(fd)), fd.define_scalar(keep_threshold(p), dtype=DataType.Int))
+    index = global_positions(fd, [b, e], [None, start])
+    keep = fd.ops.lt(hash_positions(index, key_in, int_ops(fd)), fd.define_scalar(keep_threshold(p), dtype=DataType.Int))
     y = fd.ops.mul(x, fd.ops.cast(keep, DataType.Float))
     wt = fd.define_tensor(shape=[4, e], contiguity=True, dtype=DataType.Float)
     total = fd.ops.linear(y, wt)   # row-parallel: all-reduced over tp

@@ -28,19 +28,21 @@ import time
 
 import torch
 
-import tpfuser.check as check_mod
+import tpfuser.verify.check as check_mod
+import tpfuser.verify.oracle as oracle_mod
 from tpfuser.config import Layout, preset
-from tpfuser.graphs import GraphedTrainStep
-from tpfuser.reference import make_block, make_input
-from tpfuser.runtime import ShardedBlock
+from tpfuser.runtime.graphs import GraphedTrainStep
+from tpfuser.verify.reference import make_block, make_input
+from tpfuser.parallel.schedules import SCHEDULES
+from tpfuser.runtime.block import ShardedBlock
 
 TINY = preset("tiny", dtype="bf16", dropout=0.1)
 NANOGPT = preset("nanogpt", dtype="bf16", dropout=0.1)
 
 
 def _reference_without_eager():
-    check_mod.eager_errors = lambda *args: {}   # the reference as before d5759b8: float32, flash replayed
-    check_mod.reference(check_mod.Case(NANOGPT), torch.device("cuda"), backward=False)
+    oracle_mod.eager_errors = lambda *args: {}   # the reference as before d5759b8: float32, flash replayed
+    oracle_mod.reference(oracle_mod.Case(NANOGPT), torch.device("cuda"), backward=False)
 
 
 def _called_nanogpt_block():
@@ -51,18 +53,20 @@ def _called_nanogpt_block():
 SUSPECTS = {
     "nothing": lambda: None,   # the control: a second trial in the same process
     "check_forward": lambda: check_mod.check_forward(NANOGPT, Layout(1, 1), preset_name="nanogpt"),   # run 27's
-    "reference": lambda: check_mod.reference(check_mod.Case(NANOGPT), torch.device("cuda"), backward=False),
+    "reference": lambda: oracle_mod.reference(oracle_mod.Case(NANOGPT), torch.device("cuda"), backward=False),
     "reference_without_eager": _reference_without_eager,
     "called_block": _called_nanogpt_block,
     "manual_seed": lambda: torch.cuda.manual_seed(99),   # as test_masks_reproducible_and_offset_sensitive does
     # run 30's: the tiny bf16 check with graphs, without the unit-axis splits (the default)
-    "unsplit_check": lambda: check_mod.check(check_mod.Case(TINY, Layout(1, 1)), preset_name="tiny", graphs=True),
+    "unsplit_check": lambda: check_mod.check(oracle_mod.Case(TINY, Layout(1, 1)), preset_name="tiny", graphs=True),
 }
 
 
 def trial(state: dict) -> tuple[bool, list[torch.Tensor], str]:
     """(replay equals call at both offsets, the calls' outputs, a description of the differences)."""
-    called = ShardedBlock(TINY, keys_on_device=True, split_unit_axes=True).load(state)   # the form that failed
+    # the form that failed: the single fusion (as before the schedules), device keys, unit axes split
+    called = ShardedBlock(TINY, schedule=SCHEDULES["megatron-whole"].replace(keys_on_device=True, split_unit_axes=True))
+    called.load(state)
     step = GraphedTrainStep(called)
     x = called.shard_input(make_input(TINY))
     grad_out = torch.randn_like(x)

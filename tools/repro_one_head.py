@@ -101,7 +101,7 @@ def expected(qkv, grads, heads):
 def main(argv: list[str]) -> int:
     import nvfuser_direct as nvf
 
-    from tpfuser.commlog import error_message
+    from tpfuser.verify.commlog import error_message
     heads, forms = int(argv[0]), argv[1:] or list(FORMS)
     comm = nvf.multidevice.Communicator.instance()
     tp, rank = comm.size(), comm.rank()

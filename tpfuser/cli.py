@@ -1,53 +1,27 @@
 """Command line: a thin layer over the Python API.
 
-  tpfuser show  [--preset P] [--dtype D] [--dp N --tp N]   print the fusion (no GPU)
-  tpfuser plan  [--preset P] [--dp N --tp N] [--json F]    shardings, collectives, FLOPs (no GPU)
-  tpfuser check [--preset P] [--dtype D] [--dp N --tp N]   fusion vs reference on GPUs
-  tpfuser bench [--preset P] [--dp N --tp N] [--train] [--json F]   nvFuser vs eager, torch.compile, DTensor
-  tpfuser main                                              check if GPUs exist, else a summary of
-                                                            the block, the plan and the fusion
+  tpfuser show  [--preset P] [--dtype D] [--dp N --tp N] [--ir|--names] [--backward] [--host-ir]
+  tpfuser plan  [--preset P] [--dp N --tp N] [--json F] [--predict ...]   (no GPU)
+  tpfuser check [--preset P] [--dtype D ...] [--dp N --tp N] [--share-gpu]  fusions vs the reference
+  tpfuser bench [--preset P] [--dp N --tp N] [--train] [--startup] [--json F]
+  tpfuser main  the check of every dtype if GPUs exist, else the block, its plan and its fusions in brief
 
+Every command takes --schedule NAME or --schedule-file FILE (parallel/schedules.py).
 Every refusal is one line on stderr and exit status 2, before any work.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
+import signal
 import sys
 
 from tpfuser.config import PRESETS, Layout, preset
+from tpfuser.outputs import ArgParser, check_writable, write_json
+from tpfuser.parallel.schedules import SCHEDULES, load_schedule
 
-NO_GPU = "no CUDA device here: running the fusion needs a CUDA GPU (show and plan work without one)"
-
-
-class ArgParser(argparse.ArgumentParser):
-    """argparse with its refusals in one line, as every other refusal (no usage block)."""
-
-    def error(self, message):
-        self.exit(2, f"error: {self.prog}: {message} (--help lists the options)\n")
-
-
-def check_writable(path: str | None, option: str) -> None:
-    """Refuse now, not after the work, an output file that cannot be written.
-    Trying is the only sure test (permissions say yes to root, /proc says no);
-    a file made by trying is removed."""
-    if path is None:
-        return
-    if not path.strip():
-        raise ValueError(f"{option}={path!r}: an empty path; give a file name")
-    if os.path.isdir(path):
-        raise ValueError(f"{option}={path!r}: is a directory; give a file name")
-    existed = os.path.exists(path)
-    try:
-        with open(path, "a"):
-            pass
-    except OSError as e:
-        raise ValueError(f"{option}={path!r}: cannot be written ({e.strerror})") from None
-    if not existed:
-        os.remove(path)
+NO_GPU = "no CUDA device here: running the fusions needs a CUDA GPU (show and plan work without one)"
 
 
 def _block_args(p: argparse.ArgumentParser, several_dtypes: bool = False) -> None:
@@ -55,17 +29,65 @@ def _block_args(p: argparse.ArgumentParser, several_dtypes: bool = False) -> Non
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], nargs="+" if several_dtypes else None,
                    help="one or more (check) " * several_dtypes + "(default: the preset's)")
     p.add_argument("--dropout", type=float, default=None, help="default: the preset's")
+    p.add_argument("--n-head", type=int, default=None, help="the heads (default: the preset's; n_embd stays)")
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--sp", action="store_true", help="add sequence parallelism over the tp axis")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism over the tp axis "
+                   "(the default schedule becomes megatron-sp)")
+    _schedule_args(p)
+
+
+def _schedule_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--schedule", default=None, metavar="NAME",
+                   help=f"a named schedule: {', '.join(SCHEDULES)} (default: megatron, or megatron-sp with --sp)")
+    p.add_argument("--schedule-file", default=None, metavar="FILE", help="a schedule as JSON (README: Schedules)")
+    p.add_argument("--chunks", type=int, default=None, metavar="N",
+                   help="stream chunks for every linear the schedule chunks (overrides its count)")
+
+
+def resolve_schedule(args):
+    """The schedule the options name (at most one of --schedule, --schedule-file),
+    and --sp and --chunks applied to it; refused in one line where they disagree."""
+    if args.schedule and args.schedule_file:
+        raise ValueError("--schedule and --schedule-file: give one of them")
+    spec = args.schedule or args.schedule_file or ("megatron-sp" if getattr(args, "sp", False) else "megatron")
+    if args.schedule_file:
+        check_readable(args.schedule_file, "--schedule-file")
+    schedule = load_schedule(spec)
+    if getattr(args, "sp", False) and not schedule.sequence_parallel:
+        raise ValueError(f"--sp with --schedule {schedule.name!r}, which is not sequence-parallel: "
+                         f"drop --sp or name a sequence-parallel schedule (megatron-sp)")
+    if args.chunks is not None:
+        if not schedule.chunked():
+            raise ValueError(f"--chunks={args.chunks}: schedule {schedule.name!r} chunks no linear "
+                             f"(an overlapped schedule does: megatron-overlap, megatron-sp-overlap)")
+        linears = {name: plan.__class__(**{**plan.__dict__, "chunks": args.chunks}) if plan.chunks > 1 else plan
+                   for name, plan in schedule.linears.items()}
+        schedule = schedule.replace(name=f"{schedule.name}/{args.chunks}", linears=linears)
+    return schedule
+
+
+def check_readable(path: str, option: str) -> None:
+    if not os.path.isfile(path):
+        raise ValueError(f"{option}={path!r}: not a file")
 
 
 def _cfg(args):
-    """The block and its layout, checked against each other (before a fusion is defined)."""
-    overrides = {k: v for k, v in (("dtype", args.dtype), ("dropout", args.dropout)) if v is not None}
-    cfg, layout = preset(args.preset, **overrides), Layout(args.dp, args.tp, args.sp)
+    """The block, its layout and schedule, checked against each other (before a fusion is defined)."""
+    overrides = {k: v for k, v in (("dtype", args.dtype), ("dropout", args.dropout),
+                                   ("n_head", getattr(args, "n_head", None))) if v is not None}
+    cfg, schedule = preset(args.preset, **overrides), resolve_schedule(args)
+    layout = schedule.layout(args.dp, args.tp)
     layout.check(cfg)
-    return cfg, layout
+    schedule.check(cfg, layout)
+    return cfg, layout, schedule
+
+
+def _check_cfgs(args):
+    """One block config per dtype asked for (check takes several), the layout and the schedule."""
+    dtypes = args.dtype if isinstance(args.dtype, list) else [args.dtype]
+    triples = [_cfg(argparse.Namespace(**{**vars(args), "dtype": dtype})) for dtype in dtypes]
+    return [cfg for cfg, _, _ in triples], triples[0][1], triples[0][2]
 
 
 # Per command: does it run ranks (so a launcher's world must be dp*tp), does it import nvFuser.
@@ -74,15 +96,20 @@ _IMPORTS_NVFUSER = {"show": True, "plan": False, "check": True, "main": True}
 
 
 def preflight(args) -> None:
-    """What can be refused before any work is: the block and layout, output
-    paths, a launch that contradicts itself or the mesh, a launch without CUDA
-    (world.check_launch), `check` without a GPU."""
-    from tpfuser.world import check_launch
-    cfgs, layout = _check_cfgs(args)
-    if getattr(args, "overlap", None) is not None:
-        from tpfuser.overlap import check_chunks, check_rates
-        check_chunks(cfgs[0], layout, args.overlap)
-        check_rates(args.bandwidth, args.tflops)
+    """What can be refused before any work is: the block, layout and schedule,
+    output paths, a launch that contradicts itself or the mesh, a launch
+    without CUDA (world.check_launch), `check` without a GPU."""
+    from tpfuser.dist.world import check_launch
+    cfgs, layout, schedule = _check_cfgs(args)
+    if args.command == "plan":
+        from tpfuser.parallel.overlap_model import check_rates
+        check_rates(args.bandwidth, args.tflops, given=args.predict or args.overlap is not None)
+        if args.overlap is not None:
+            from tpfuser.parallel.overlap_model import check_chunks
+            check_chunks(cfgs[0], layout, args.overlap)
+        if args.predict:
+            from tpfuser.predict.command import check_predict_arguments
+            check_predict_arguments(cfgs[0], layout, schedule, args)
     for option in ("json", "png"):
         check_writable(getattr(args, option, None), f"--{option}")
     check_launch(layout if _RUNS_RANKS[args.command] else None, nvfuser=_IMPORTS_NVFUSER[args.command])
@@ -91,25 +118,36 @@ def preflight(args) -> None:
 
 
 def cmd_show(args) -> int:
-    cfg, layout = _cfg(args)
-    from tpfuser.fusion import build_forward, fusion_text
-    print(fusion_text(build_forward(cfg, layout)))
+    from tpfuser.parallel.schedule import build_pass
+    from tpfuser.verify.inspect import pass_summary, pass_text
+    cfg, layout, schedule = _cfg(args)
+    kind = "backward" if args.backward else "forward"
+    built = build_pass(cfg, schedule.form(), kind, layout, split_unit_axes=schedule.split_unit_axes)
+    if args.host_ir:
+        from tpfuser.verify.inspect import host_ir_text
+        print(host_ir_text(cfg, layout, schedule))
+    elif args.ir or args.names:
+        print(pass_text(built, names=args.names))
+    else:
+        print(pass_summary(built, schedule))
     return 0
 
 
 def cmd_plan(args) -> int:
-    from tpfuser.report import format_plan, plan_report
-    cfg, layout = _cfg(args)
-    rep = plan_report(cfg, layout, args.preset)
+    from tpfuser.parallel.report import format_plan, plan_report
+    cfg, layout, schedule = _cfg(args)
+    rep = plan_report(cfg, layout, args.preset, schedule)
     print(format_plan(rep))
     if args.overlap is not None:
-        from tpfuser.overlap import format_overlap, overlap_model
+        from tpfuser.parallel.overlap_model import format_overlap, overlap_model
         rep["overlap"] = overlap_model(cfg, layout, args.overlap, args.bandwidth, args.tflops)
         print()
         print(format_overlap(rep["overlap"]))
+    if args.predict:
+        from tpfuser.predict.command import predict_command
+        rep["prediction"] = predict_command(cfg, layout, schedule, args)
     if args.json is not None:
-        with open(args.json, "w") as f:
-            json.dump(rep, f, indent=2)
+        write_json(args.json, rep)
     return 0
 
 
@@ -118,97 +156,77 @@ def _cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _check_cfgs(args):
-    """One block config per dtype asked for (check takes several), and the layout."""
-    dtypes = args.dtype if isinstance(args.dtype, list) else [args.dtype]
-    pairs = [_cfg(argparse.Namespace(**{**vars(args), "dtype": dtype})) for dtype in dtypes]
-    return [cfg for cfg, _ in pairs], pairs[0][1]
-
-
 def cmd_check(args) -> int:
-    cfgs, layout = _check_cfgs(args)
+    cfgs, layout, schedule = _check_cfgs(args)
+    args.schedule = schedule
     if args.collectives:   # before nvFuser is imported: it reads its options once
         os.environ["NVFUSER_DUMP"] = ",".join(filter(None, [os.environ.get("NVFUSER_DUMP"), "communication"]))
-    from tpfuser.launch import relaunch
-    from tpfuser.world import in_launcher
+    from tpfuser.dist.launch import relaunch
+    from tpfuser.dist.world import in_launcher
     if layout.world_size > 1 and not in_launcher():
         if args.share_gpu:
             import torch
-            from tpfuser.launch import check_shared_gpu_fits
+            from tpfuser.dist.launch import check_shared_gpu_fits
             for cfg in cfgs:
                 check_shared_gpu_fits(cfg, layout, torch.cuda.mem_get_info(0)[0])
-        return relaunch(layout, share_gpu=args.share_gpu)
-    from tpfuser.meshcheck import run_checks
+        return relaunch(layout, share_gpu=args.share_gpu, schedule=schedule)
+    from tpfuser.runtime.chunked import check_connections
+    check_connections(schedule)
+    from tpfuser.verify.meshes import run_checks
     return run_checks(cfgs, layout, args)
-
-
-def fusion_summary(ff) -> str:
-    """The forward fusion in a few lines: what goes in and out, and which of its
-    operations nvFuser hands to ATen (the GEMMs and flash attention), cutting it
-    into segments, and which it fuses into kernels of its own between them."""
-    from tpfuser.fusion import rng_input_names
-    text = ff.fd.fusion.print_math()
-    body = text[text.index("%kernel_math"):] if "%kernel_math" in text else text
-    def count(pattern):
-        return len(re.findall(pattern, body))
-    aten = {"linear": count(r"= linear\("), "matmul": count(r"= matmul\("), "flash attention": count(r"= sdpa")}
-    n_aten, scalars = sum(aten.values()), len(rng_input_names(ff.cfg))
-    reductions = [f"{count(r'= Welford')} LayerNorm statistics (Welford)"] + (
-        [f"{count(r'= reduction')} softmax reductions"] if count(r"= reduction") else [])
-    return "\n".join([
-        f"fusion (forward, {ff.cfg.dtype}): in x and the 12 parameters" + (f", {scalars} dropout scalars" if scalars else "")
-        + f"; returns {', '.join(ff.outputs)}; {count(r'(?m)^T[0-9]+_l')} tensor expressions "
-        f"({len(text.splitlines())} lines of nvFuser IR)",
-        "  run by ATen: " + ", ".join(f"{n} {k}" for k, n in aten.items() if n),
-        f"  fused by nvFuser: {', '.join(reductions)}, casts, GELU, dropout hash, residuals, in the "
-        f"{n_aten + 1} gaps around the {n_aten} ATen calls (how many kernels each takes, nvFuser decides at the first run on a GPU)",
-    ])
 
 
 def cmd_main(args) -> int:
     """On a GPU: the check of every dtype, as a table. Without one: what a
-    newcomer needs first, the block, the plan and the fusion in brief."""
-    cfg, layout = _cfg(args)
+    newcomer needs first, the block, the plan and the fusions in brief."""
+    cfg, layout, schedule = _cfg(args)
     dtypes = ("fp32", "bf16") if args.dtype is None else (args.dtype,)
     if _cuda_count() > 0:
         args.dtype = list(dtypes)
         args.forward_only, args.collectives, args.share_gpu, args.json = False, False, False, None
-        args.graphs, args.split_unit_axes = False, False
+        args.graphs = False
         return cmd_check(args)
-    from tpfuser.fusion import build_forward
-    from tpfuser.report import format_plan, plan_report
+    from tpfuser.parallel.report import format_plan, plan_report
+    from tpfuser.parallel.schedule import build_forward
+    from tpfuser.verify.inspect import pass_summary
     print(f"{args.preset}: one GPT-2 block, batch {cfg.batch}, seq {cfg.seq}, n_embd {cfg.n_embd}, {cfg.n_head} heads "
           f"of {cfg.head_dim}, dropout {cfg.dropout}, {cfg.dtype}; mesh dp {layout.dp} x tp {layout.tp}")
     print()
-    print(format_plan(plan_report(cfg, layout, args.preset)))
+    print(format_plan(plan_report(cfg, layout, args.preset, schedule)))
     print()
-    print(fusion_summary(build_forward(cfg, layout)))
+    print(pass_summary(build_forward(cfg, layout, schedule=schedule), schedule))
     print()
-    print(f"{NO_GPU}; `tpfuser show --preset {args.preset}` prints the fusion's full IR")
+    print(f"{NO_GPU}; `tpfuser show --preset {args.preset} --ir` prints the fusions' full IR")
     return 0
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    from tpfuser.launch import arm_stack_dumps
-    arm_stack_dumps()   # where this process (a rank) is: kill -USR1, or before its run's bound
+def _parser(argv) -> ArgParser:
     parser = ArgParser(prog="tpfuser", description="Megatron-style sharded GPT block in nvFuser")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, fn, hlp in (("show", cmd_show, "print the fusion definition"),
-                          ("plan", cmd_plan, "print the sharding plan"),
-                          ("check", cmd_check, "check the fusion against the reference on GPU"),
-                          ("main", cmd_main, "check on GPUs if any, else show the fusion and plan")):
+    for name, fn, hlp in (("show", cmd_show, "print the fusions (a summary; --ir for nvFuser's text)"),
+                          ("plan", cmd_plan, "print the sharding plan, its collectives and (--predict) its timeline"),
+                          ("check", cmd_check, "check the fusions against the reference on GPU"),
+                          ("main", cmd_main, "check on GPUs if any, else show the fusions and plan")):
         p = sub.add_parser(name, help=hlp)
         _block_args(p, several_dtypes=name == "check")
+        p.set_defaults(fn=fn)
+        if name == "show":
+            p.add_argument("--ir", action="store_true", help="nvFuser's full text of each fusion")
+            p.add_argument("--names", action="store_true", help="--ir with the block's tensor names beside nvFuser's")
+            p.add_argument("--backward", action="store_true", help="the backward's fusions, not the forward's")
+            p.add_argument("--host-ir", action="store_true",
+                           help="the host IR nvFuser lowers a stream-chunked linear to (overlap 'streams')")
         if name == "plan":
-            from tpfuser.overlap import BUSBW_GBPS, TFLOPS
-            p.add_argument("--json", default=None, help="also write the plan as JSON here")
+            from tpfuser.parallel.overlap_model import BUSBW_GBPS, TFLOPS
+            p.add_argument("--json", default=None, help="also write the plan as JSON here (- for standard output)")
             p.add_argument("--overlap", type=int, default=None, metavar="N",
-                           help="also model each collective overlapped with its GEMM in N chunks of the sequence")
-            p.add_argument("--bandwidth", type=float, default=BUSBW_GBPS,
+                           help="also the forward-only overlap model with every collective in N chunks")
+            p.add_argument("--bandwidth", type=float, default=None,
                            help=f"bus bandwidth for --overlap, GB/s (default {BUSBW_GBPS:.0f}, assumed)")
-            p.add_argument("--tflops", type=float, default=TFLOPS,
+            p.add_argument("--tflops", type=float, default=None,
                            help=f"matmul rate for --overlap, TFLOP/s (default {TFLOPS:.0f}, measured on an H200)")
+            from tpfuser.predict.command import add_predict_arguments
+            add_predict_arguments(p)
         if name == "check":
             p.add_argument("--forward-only", action="store_true", help="skip the training forward and backward")
             p.add_argument("--collectives", action="store_true",
@@ -219,26 +237,38 @@ def main(argv=None) -> int:
             p.add_argument("--graphs", action="store_true",
                            help="also replay the forward and the training step from CUDA graphs and compare "
                                 "them with the called block, bit for bit")
-            p.add_argument("--unit-splits", dest="split_unit_axes", action="store_true",
-                           help="also split over a mesh axis of one device, where nvFuser then posts collectives "
-                                "over a team of one (fusion.schedule's split_unit_axes=True; the default until run 30)")
             p.add_argument("--json", default=None, help="also write every rank's results here (rank 0 writes)")
-        p.set_defaults(fn=fn)
-    from tpfuser import bench
+    from tpfuser.bench.cli import add_bench_arguments, bench_main
     p = sub.add_parser("bench", help="benchmark against the peers, called and replayed from CUDA graphs")
-    bench.add_arguments(p)
-    p.set_defaults(fn=lambda args: bench.run(args, argv[1:]))
+    add_bench_arguments(p)
+    _schedule_args(p)
+    p.set_defaults(fn=lambda args: bench_main(args, argv[1:]))
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    from tpfuser.dist.launch import arm_stack_dumps
+    arm_stack_dumps()   # where this process (a rank) is: kill -USR1, or before its run's bound
+    from tpfuser.dist.launch import Ended
+    parser = _parser(argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown:   # named by the command they were given to
-        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
-    if args.command == "bench":   # its own refusals and exit codes (bench.run)
-        return args.fn(args)
+        parser._subparsers._group_actions[0].choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
+        if args.command == "bench":   # its own refusals and exit codes (bench.cli)
+            return args.fn(args)
         preflight(args)
         return args.fn(args)
     except (ValueError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted (SIGINT): every rank started was ended", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except Ended as e:
+        print(e.line, file=sys.stderr)
+        return 128 + e.signum
 
 
 if __name__ == "__main__":

@@ -1,0 +1,113 @@
+"""`tpfuser bench` (also `python3 -m tpfuser.bench`): its options, its refusals
+before any work, its launch over ranks, and its report (table and JSON)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from tpfuser.config import Layout, preset
+from tpfuser.outputs import ArgParser, check_writable, write_json
+
+
+def add_bench_arguments(ap) -> None:
+    """bench's options, on its own parser (python -m tpfuser.bench) or tpfuser's subparser."""
+    from tpfuser.bench.impls import IMPLS
+    ap.add_argument("--preset", default="nanogpt")
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--sp", action="store_true", help="sequence parallelism (the default schedule: megatron-sp)")
+    ap.add_argument("--impl", default=None, help=f"comma-separated, of {','.join(IMPLS)} (default: what the mesh allows)")
+    ap.add_argument("--iters", type=int, default=100, help="samples per implementation")
+    ap.add_argument("--dropout", type=float, default=None)
+    ap.add_argument("--train", action="store_true", help="forward+backward (a training step) instead of forward")
+    ap.add_argument("--profile", action="store_true", help="also what each call's time goes to (GPU kernels, idle)")
+    ap.add_argument("--startup", action="store_true",
+                    help="time each implementation's first call instead, each in a fresh process "
+                         "(nvFuser's time split into segmenting, compiling kernels and the rest)")
+    ap.add_argument("--json", default=None, help="also write the report as JSON here (- for standard output)")
+    ap.add_argument("--png", default=None, help="also plot the report here")
+    ap.add_argument("--share-gpu", action="store_true",
+                    help="run dp*tp ranks on fewer GPUs: to see it run, not for speed (the ranks time-share a GPU)")
+
+
+def bench_command(argv: list[str]) -> str:
+    """The command line that ran this process, as its user typed it: `python3 -m
+    tpfuser.bench ...` when the bench package was run, else `tpfuser ...` (the CLI)."""
+    if argv and os.path.basename(os.path.dirname(argv[0])) == "bench" and argv[0].endswith("__main__.py"):
+        return "python3 -m tpfuser.bench " + " ".join(argv[1:])
+    return "tpfuser " + " ".join(argv[1:])
+
+
+def main(argv=None) -> int:
+    """`python3 -m tpfuser.bench`: as `tpfuser bench`, its signals handled as the command line's."""
+    from tpfuser.cli import _schedule_args, main as cli_main
+    argv = sys.argv[1:] if argv is None else argv
+    ap = ArgParser(prog="tpfuser bench")
+    add_bench_arguments(ap)
+    _schedule_args(ap)
+    ap.parse_args(argv)   # its refusals named as bench's
+    return cli_main(["bench", *argv])
+
+
+def bench_main(args, argv) -> int:
+    """The benchmark of parsed options; argv, bench's own, is what ranks relaunch with."""
+    from tpfuser.bench.impls import check_impls
+    from tpfuser.cli import resolve_schedule
+    rank, groups = 0, None
+    impls = args.impl.split(",") if args.impl else None
+    try:
+        # Everything that can be refused, before the benchmark: its results must not be lost to a bad path.
+        schedule = resolve_schedule(args)
+        layout = schedule.layout(args.dp, args.tp)
+        if args.iters < 1:
+            raise ValueError(f"--iters={args.iters}: expected a positive int (samples per implementation)")
+        cfg = preset(args.preset, dtype="bf16", **({} if args.dropout is None else {"dropout": args.dropout}))
+        layout.check(cfg)
+        schedule.check(cfg, layout)
+        check_impls(impls or (), layout, args.train)
+        check_writable(args.json, "--json")
+        check_writable(args.png, "--png")
+        if args.startup:
+            from tpfuser.bench.startup import run_startup
+            rep = run_startup(args.preset, cfg, layout, schedule, impls, train=args.train)
+            return _report(rep, args, startup=True)
+        from tpfuser.dist.world import check_launch, in_launcher
+        check_launch(layout)
+        if layout.world_size > 1:
+            from tpfuser.dist.launch import relaunch
+            from tpfuser.dist.world import init_rank, rank_groups
+            if not in_launcher():   # one rank per GPU under torchrun, or a clear refusal
+                return relaunch(layout, ["bench", *argv], share_gpu=args.share_gpu, schedule=schedule)
+            rank = init_rank(layout)
+            groups = rank_groups(layout, rank)
+        from tpfuser.bench.run import bench
+        rep = bench(args.preset, impls, args.iters, dropout=args.dropout, train=args.train, layout=layout,
+                    rank=rank, groups=groups, progress=rank == 0, profile=args.profile, schedule=schedule)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if rank != 0:   # every rank timed; rank 0 holds the slowest rank's samples and reports
+        return 0
+    return _report(rep, args)
+
+
+def _report(rep: dict, args, startup: bool = False) -> int:
+    from tpfuser.dist.sharegpu import SHARED_GPU_MARK
+    from tpfuser.verify.meshes import environment
+    rep["gpus_shared"] = int(os.environ.get(SHARED_GPU_MARK, "0"))   # > 0: timings are not speed figures
+    rep["environment"] = environment(bench_command(sys.argv), rep.get("schedule"))   # date, versions, command, commit
+    if startup:
+        from tpfuser.bench.startup import format_startup
+        text = format_startup(rep)
+    else:
+        from tpfuser.bench.report import format_table, validate_report
+        validate_report(rep)
+        text = format_table(rep)
+    if args.json:
+        write_json(args.json, rep)
+    if args.png and not startup:
+        from tpfuser.bench.plot import plot_reports
+        plot_reports([rep], args.png)
+    print(text, file=sys.stderr if args.json == "-" else sys.stdout)   # the JSON alone on standard output
+    return 0

@@ -1,0 +1,54 @@
+"""How the block's passes are written as fusions: the choices that change the
+fusions' text but neither the math nor where anything runs (a schedule picks
+them, parallel/schedules.py; the mesh is applied apart, parallel/schedule.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# How q, k and v leave qkv, and their gradients return to it. nvFuser 0.2.36
+# fails every one of them with one head per rank (tools/repro_one_head.py).
+#   slice   slices of the (b, s, h, 3d) view, each through a kernel (the
+#           multiplication by one); the gradient by cat.
+#   select  select on the 3-axis of the (b, s, h, 3, d) view; the gradient by cat.
+#   onehot  sums over that 3-axis times a one-hot made from iota; the gradient
+#           the sum of the three broadcast on it times their one-hots
+#           (pointwise: neither a view nor a cat). Exact for finite values.
+QKV_SPLITS = ("slice", "select", "onehot")
+# Where the dropout keep-masks are drawn (dropout.py's hash of the global position):
+#   inline  inside the fusion that applies them;
+#   fusion  by a fusion of their own, first in the pass (pointwise only), read
+#           by the others: the same bits, and a block fusion with ~100 fewer
+#           integer expressions for nvFuser's segmenter to search.
+MASK_FORMS = ("inline", "fusion")
+# The block's linears, in order, and where its passes can be cut into fusions
+# (block/pieces.py): the forward before and after each linear, and after the
+# masks' own fusion; the backward before each sublayer's linears' backward,
+# and before and after each column-parallel linear's input-gradient matmul.
+LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+FORWARD_CUTS = ("masks",) + tuple(point for linear in LINEARS for point in (linear, f"{linear}.out"))
+BACKWARD_CUTS = ("grad:mlp.c_fc", "grad:mlp.c_fc.in", "grad:mlp.c_fc.in.out", "grad:attn.c_proj",
+                 "grad:attn.c_attn", "grad:attn.c_attn.in", "grad:attn.c_attn.in.out")
+
+
+@dataclass(frozen=True)
+class Form:
+    """cuts: the points where the passes are cut into fusions (FORWARD_CUTS,
+    BACKWARD_CUTS). flash_layout: in bf16, q, k, v
+    and attention's output held as flash attention holds them (tensors.memory_order).
+    keys_on_device: the dropout keys are 0-d int64 CUDA tensors, read by the
+    kernels at run time (a CUDA graph then draws new masks on each replay),
+    not host scalars."""
+
+    cuts: frozenset[str] = field(default_factory=frozenset)
+    masks: str = "inline"
+    qkv_split: str = "slice"
+    flash_layout: bool = True
+    keys_on_device: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "cuts", frozenset(self.cuts))
+        if self.masks not in MASK_FORMS:
+            raise ValueError(f"masks={self.masks!r}: expected one of {', '.join(MASK_FORMS)}")
+        if self.qkv_split not in QKV_SPLITS:
+            raise ValueError(f"qkv_split={self.qkv_split!r}: expected one of {', '.join(QKV_SPLITS)}")

@@ -1,0 +1,354 @@
+"""The launcher: `--dp/--tp` outside torchrun or mpirun re-executes the same
+command under torchrun over the local GPUs (relaunch), every rank bounded in
+time and ended together (run_bounded); what ranks sharing one GPU need in
+memory. A rank's own place in the world is world.py's.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from tpfuser.config import Layout
+from tpfuser.dist.world import SINGLE_PROCESS_MARK
+
+# A rank that dies leaves the others waiting in a collective; NCCL's watchdog
+# and torchrun bound that. This is the bound we ask of the whole run, read
+# from TIMEOUT_VAR when a run starts (run_timeout_s).
+TIMEOUT_VAR = "TPFUSER_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 600.0
+# Between SIGTERM and SIGKILL: time for torchrun to stop its ranks and NCCL to let go.
+GRACE_S = 10.0
+# A run past its bound: run_bounded measures each rank's CPU over WATCH_S before
+# ending it; each rank prints its Python stacks a little before (arm_stack_dumps),
+# at the time run_bounded puts in STACKS_AT_VAR (seconds since the epoch).
+WATCH_S = 2.0
+STACKS_AT_VAR = "TPFUSER_STACKS_AT"
+_STACKS_FD: int | None = None   # where the stacks go: stderr as it was when first armed
+
+
+def stacks_due_s(bound_s: float) -> float:
+    """When, after a bounded run starts, its ranks print their stacks: 20 s
+    before the bound, or a quarter of it before for a short one."""
+    return bound_s - min(20.0, bound_s / 4)
+
+
+def arm_stack_dumps() -> None:
+    """Where this process is, on request and before it is ended: SIGUSR1 prints
+    every thread's Python stack to stderr (`kill -USR1 PID`), and a rank of a
+    run_bounded run (RANK and STACKS_AT_VAR set) prints them by itself then
+    (faulthandler's watchdog thread: no signal, which a library may have taken)."""
+    import faulthandler
+    global _STACKS_FD
+    if _STACKS_FD is None:
+        try:   # the process's own stderr (not a replacement without a descriptor: pytest's), duplicated:
+            # commlog.captured_communications points descriptor 2 at a file while nvFuser runs, and
+            # a rank ended there would leave its stacks in that file (runs 35 and 37 printed none)
+            _STACKS_FD = os.dup(sys.__stderr__.fileno())
+        except (AttributeError, OSError, ValueError):   # no stderr to write to: nothing to arm
+            return
+    faulthandler.register(signal.SIGUSR1, file=_STACKS_FD, all_threads=True)
+    try:
+        at = float(os.environ[STACKS_AT_VAR]) if "RANK" in os.environ else None
+    except (KeyError, ValueError):   # not a rank of run_bounded's (the variable is ours, set there)
+        at = None
+    if at is not None:
+        faulthandler.dump_traceback_later(max(1.0, at - time.time()), file=_STACKS_FD, exit=False)
+
+
+def torchrun_command(layout: Layout, argv: list[str], environ: dict[str, str],
+                     shared_gpus: int = 0) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that re-run `tpfuser argv` under torchrun on this node.
+    The world of one this process may have described (world.py) is dropped.
+    shared_gpus > 0: the ranks share that many GPUs (tpfuser.dist.sharegpu sets each rank up)."""
+    from tpfuser.dist.sharegpu import SHARED_GPU_MARK
+    env = {k: v for k, v in environ.items()
+           if k not in (SINGLE_PROCESS_MARK, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                        "NVFUSER_MASTER_ADDR", "NVFUSER_MASTER_PORT", SHARED_GPU_MARK)}
+    module = "tpfuser.cli"
+    if shared_gpus:
+        env[SHARED_GPU_MARK] = str(shared_gpus)
+        module = "tpfuser.dist.sharegpu"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={layout.world_size}", "-m", module, *argv]
+    return cmd, env
+
+
+def run_timeout_s() -> float:
+    """The bound on a multi-rank run, in seconds: TPFUSER_TIMEOUT_S, read when a
+    run starts, or 600."""
+    text = os.environ.get(TIMEOUT_VAR)
+    if text is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{TIMEOUT_VAR}={text!r}: must be a positive number of seconds "
+                         f"(the bound on a multi-rank run; unset: {DEFAULT_TIMEOUT_S:.0f})")
+    return value
+
+
+def _stat_fields(path: str) -> list[str] | None:
+    """A /proc stat file's fields after "pid (comm) ": [0] state (stat's 3rd),
+    [1] parent pid, [2] process group, [11] and [12] user and system CPU ticks,
+    [19] start time; None if the process or thread is gone."""
+    try:
+        with open(path) as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def _processes() -> dict[int, tuple[int, int, str, str]]:
+    """pid -> (parent pid, process group, state, start time) of every process, from
+    Linux's /proc; empty elsewhere."""
+    table = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit() and (fields := _stat_fields(f"/proc/{entry}/stat")) is not None:   # (or ended meanwhile)
+            table[int(entry)] = (int(fields[1]), int(fields[2]), fields[0], fields[19])
+    return table
+
+
+def _tree(root: int) -> dict[int, str]:
+    """pid -> start time of root, its process group and every descendant: torchrun
+    starts each rank in a session of its own, out of reach of a signal to its group."""
+    table = _processes()
+    found = {pid: row[3] for pid, row in table.items() if pid == root or row[1] == root}
+    todo = list(found)
+    while todo:
+        parent = todo.pop()
+        for pid, row in table.items():
+            if row[0] == parent and pid not in found:
+                found[pid] = row[3]
+                todo.append(pid)
+    return found
+
+
+def _threads_cpu_s(pid: int) -> dict[int, tuple[str, float]]:
+    """tid -> (thread name, CPU seconds) of every thread of pid, from /proc."""
+    threads = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return threads
+    for tid in tids:
+        fields = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue
+        if fields is not None:
+            threads[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    return threads
+
+
+def _rank_of(pid: int) -> str | None:
+    """The RANK a process was started with (a launcher's rank), or None."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+    except OSError:
+        return None
+    return next((v[5:].decode() for v in env if v.startswith(b"RANK=")), None)
+
+
+def _report_ranks(tracked: dict[int, str], watch_s: float) -> None:
+    """For each rank of a run past its bound: the CPU it used over watch_s and
+    its busiest threads by name (busy: compiling or spinning; near 0: waiting).
+    Ranks have printed their Python stacks a little before (arm_stack_dumps)."""
+    ranks = {pid: _rank_of(pid) for pid in _alive(tracked)}
+    ranks = {pid: rank for pid, rank in ranks.items() if rank is not None}
+    before = {pid: _threads_cpu_s(pid) for pid in ranks}
+    time.sleep(watch_s)
+    for pid, rank in sorted(ranks.items(), key=lambda kv: int(kv[1]) if kv[1].isdigit() else -1):
+        after = _threads_cpu_s(pid)
+        if not after:
+            continue
+        used = {tid: (name, cpu - before[pid].get(tid, (name, 0.0))[1]) for tid, (name, cpu) in after.items()}
+        busiest = sorted(used.values(), key=lambda nc: -nc[1])[:4]
+        total = sum(c for _, c in used.values())
+        print(f"rank {rank} (pid {pid}): {total:.1f} s of CPU in the last {watch_s:g} s over {len(after)} threads, "
+              f"the busiest: " + ", ".join(f"{n} {c:.1f}" for n, c in busiest)
+              + (" (waiting, in a collective most likely)" if total < 0.1 * watch_s else ""), file=sys.stderr, flush=True)
+
+
+def _signal_all(root: int, tracked: dict[int, str], sig) -> None:
+    try:
+        os.killpg(root, sig)
+    except ProcessLookupError:
+        pass
+    for pid in _alive(tracked):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _alive(tracked: dict[int, str]) -> list[int]:
+    """The tracked processes still running (not zombies, and not a new process that reuses the pid)."""
+    table = _processes()
+    return [pid for pid, start in tracked.items() if pid in table and table[pid][3] == start and table[pid][2] != "Z"]
+
+
+def _wait_ended(proc: subprocess.Popen, tracked: dict[int, str], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while True:
+        proc.poll()   # reap our child, or it counts as running
+        if proc.returncode is not None and not _alive(tracked):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def _end_all(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM to proc, its group and its descendants (torchrun and its ranks), SIGKILL
+    to whatever is left after grace_s; return when none of them runs any more."""
+    tracked = _tree(proc.pid)
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        tracked |= _tree(proc.pid)   # and any process started since
+        _signal_all(proc.pid, tracked, sig)
+        if _wait_ended(proc, tracked, wait_s):
+            break
+    proc.wait()
+
+
+class Ended(BaseException):
+    """This process was told to end (SIGTERM, SIGHUP) while its ranks ran: they are ended too."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def line(self) -> str:
+        return f"ended by {signal.Signals(self.signum).name}: every rank was ended with it"
+
+
+def _raise_ended(signum, frame):
+    raise Ended(signum)
+
+
+def _die_with_parent() -> None:
+    """In the child, before it runs: SIGTERM when this launcher dies (even by
+    SIGKILL, which no handler sees: Linux's parent-death signal)."""
+    import ctypes
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def run_bounded(cmd: list[str], env: dict[str, str], timeout_s: float, grace_s: float | None = None) -> int | None:
+    """Run cmd in a session (and process group) of its own; its exit status, or
+    None when it ran past timeout_s: then its ranks have printed their stacks
+    (STACKS_AT_VAR), it says what each was doing (_report_ranks), and it is
+    ended with its group and every process it started (torchrun's ranks run in
+    sessions of their own), so that none is left holding a GPU. Ctrl-C, SIGTERM
+    (timeout(1)'s) and SIGHUP (a closed terminal) end them too, then raise
+    (KeyboardInterrupt, Ended); a SIGKILL of this process ends cmd by its
+    parent-death signal. grace_s: between SIGTERM and SIGKILL (GRACE_S)."""
+    grace_s = GRACE_S if grace_s is None else grace_s
+    env = {**env, STACKS_AT_VAR: f"{time.time() + stacks_due_s(timeout_s):.1f}"}
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, _raise_ended) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _report_ranks(_tree(proc.pid), WATCH_S)
+            _end_all(proc, grace_s)
+            return None
+        except BaseException:
+            _end_all(proc, grace_s)
+            raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def relaunch(layout: Layout, argv: list[str] | None = None, share_gpu: bool = False, schedule=None) -> int:
+    """Re-run this command (`tpfuser argv`, default this process's) under
+    torchrun with dp*tp local ranks; refuse when this machine has fewer GPUs,
+    unless share_gpu (the ranks then share the GPUs there are: tpfuser.dist.sharegpu).
+    A schedule that chunks its linears gets CUDA_DEVICE_MAX_CONNECTIONS=1 in
+    every rank (runtime/chunked.py says why), and where it lowers some to
+    host IR on shared GPUs, the default-stream shim (sharegpu.py).
+    Past TPFUSER_TIMEOUT_S every rank is ended and 124 returned."""
+    timeout_s = run_timeout_s()
+    import torch
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0 or (gpus < layout.world_size and not share_gpu):
+        raise ValueError(f"a {layout.dp}x{layout.tp} mesh needs {layout.world_size} GPUs, one per rank; "
+                         f"this machine has {gpus}" + ("; --share-gpu runs the ranks on fewer GPUs "
+                                                      "(for checking, not timing)" if gpus else ""))
+    environ = dict(os.environ)
+    if schedule is not None and schedule.chunked():
+        from tpfuser.runtime.chunked import CONNECTIONS_VAR
+        environ[CONNECTIONS_VAR] = "1"
+        if share_gpu and gpus < layout.world_size and any(p.overlap == "streams" for p in schedule.chunked().values()):
+            from tpfuser.dist.sharegpu import SHIM_VARIABLE, build_default_stream_shim
+            environ.setdefault(SHIM_VARIABLE, build_default_stream_shim())
+    cmd, env = torchrun_command(layout, sys.argv[1:] if argv is None else argv, environ,
+                                shared_gpus=min(gpus, layout.world_size) if share_gpu else 0)
+    returncode = run_bounded(cmd, env, timeout_s)
+    if returncode is None:
+        print(f"error: the {layout.world_size}-rank run did not finish in {timeout_s:g} s and was ended, "
+              f"every rank (a rank may have died; {TIMEOUT_VAR} sets the bound)", file=sys.stderr)
+        return 124
+    return returncode
+
+
+# A rank's CUDA context, nvFuser's and NCCL's buffers (about 0.6 GiB seen per process on the H200).
+RANK_CONTEXT_BYTES = 1 << 30
+
+
+def shared_gpu_bytes(cfg, layout: Layout) -> int:
+    """GPU memory a --share-gpu check of cfg on this mesh needs, all ranks on one
+    GPU (an estimate): every rank's CUDA context and communicators, its weights,
+    gradients and saved activations a few times over, and rank 0's float32
+    reference of the whole block (weights, gradients, activations; in bf16 also
+    its eager bf16 run)."""
+    from tpfuser.parallel.placements import PARAM_PLACEMENTS, local_shape, saved_bytes_per_rank
+    from tpfuser.block.tensors import param_shapes
+    shapes = param_shapes(cfg)
+    total = sum(math.prod(s) for s in shapes.values())
+    local = sum(math.prod(local_shape(s, PARAM_PLACEMENTS[n], layout)) for n, s in shapes.items())
+    rows = cfg.batch * cfg.seq
+    per_rank = RANK_CONTEXT_BYTES + local * (3 * cfg.torch_dtype.itemsize + 8) + 3 * saved_bytes_per_rank(cfg, layout)
+    oracle = 16 * total + 4 * rows * cfg.n_embd * 40
+    if cfg.dtype == "fp32":   # the written-out attention's [b, h, s, s] probabilities, a few of them
+        oracle += 4 * cfg.batch * cfg.n_head * cfg.seq * cfg.seq * 6
+    else:
+        oracle += eager_peer_bytes(cfg)
+    return layout.world_size * per_rank + oracle
+
+
+def eager_peer_bytes(cfg) -> int:
+    """What rank 0's eager bf16 run beside the reference adds (check.eager_errors):
+    its weights and gradients in bf16, and while the largest gradient's error
+    is taken (check.rel_l2) three float64 tensors of its size: it, its
+    reference and their difference."""
+    from tpfuser.block.tensors import param_shapes
+    sizes = [math.prod(s) for s in param_shapes(cfg).values()]
+    return 4 * sum(sizes) + 24 * max(sizes)
+
+
+def check_shared_gpu_fits(cfg, layout: Layout, free_bytes: int) -> None:
+    """Refuse a --share-gpu run that the GPU's free memory cannot hold."""
+    need = shared_gpu_bytes(cfg, layout)
+    if need > free_bytes:
+        raise ValueError(f"--share-gpu: {layout.world_size} ranks of this block need about {need / 2**30:.1f} GiB "
+                         f"of GPU memory (estimated), the GPU has {free_bytes / 2**30:.1f} GiB free; "
+                         f"use fewer ranks or a smaller preset")

@@ -1,0 +1,338 @@
+"""Schedules: how the block is put on the mesh and run, as one plain value.
+
+A schedule names, for each of the block's linears, its parallel style
+(Megatron-LM's column- or row-parallel, with sequence parallelism's
+all-gather in or reduce-scatter out) and how its collective runs (in stream
+chunks along the tokens, overlapped with the GEMM, or whole); and, for the
+whole block, where its passes are cut into fusions, how the dropout masks
+and q, k, v are written, and nVFuser's options. The fusion definitions know
+none of it (block/); parallel/schedule.py applies it.
+
+    SCHEDULES["megatron"]                                  # the named ones
+    load_schedule("megatron-sp")                           # a name, a dict or a JSON file's path
+    load_schedule({"base": "megatron", "linears": {"mlp.c_proj": {"chunks": 4, "overlap": "fusions"}}})
+
+Every field is checked where the schedule is made: a bad one is refused in
+one line naming it, what was expected and what came.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+from tpfuser.block.form import BACKWARD_CUTS, FORWARD_CUTS, LINEARS, MASK_FORMS, QKV_SPLITS, Form
+from tpfuser.config import BlockConfig, Layout
+
+COLUMN, ROW = ("attn.c_attn", "mlp.c_fc"), ("attn.c_proj", "mlp.c_proj")
+STYLES = ("column", "column-sp", "row", "row-sp")
+# How a linear's chunks run: "none" (one chunk), "fusions" (a meshed fusion per
+# chunk, launched by the block on side streams forked and joined with CUDA
+# events: each posts its own collective; CUDA graphs capture it), "streams"
+# (nvFuser's stream axis, lowered to host IR: not capturable in nvFuser 0.2.36).
+OVERLAPS = ("none", "fusions", "streams")
+COLLECTIVES = ("nccl", "ucc", "cuda")    # nvFuser's communicator backends (CommunicatorBackend)
+
+
+def _refuse(field_name: str, expected: str, got) -> None:
+    raise ValueError(f"schedule field {field_name!r}: expected {expected}, got {got!r}")
+
+
+@dataclass(frozen=True)
+class LinearSchedule:
+    """One linear: style, chunks along the tokens (1: none), how they overlap, the collective's backend."""
+
+    style: str
+    chunks: int = 1
+    overlap: str = "none"
+    collective: str = "nccl"
+
+    def check(self, linear: str) -> None:
+        where = f"linears.{linear}"
+        kind = "column" if linear in COLUMN else "row"
+        if self.style not in (kind, f"{kind}-sp"):
+            _refuse(f"{where}.style", f"'{kind}' or '{kind}-sp' ({linear} is {kind}-parallel: its weight's "
+                    f"{'output rows' if kind == 'column' else 'input columns'} are split over tp)", self.style)
+        if not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1:
+            _refuse(f"{where}.chunks", "a positive int (stream chunks along the tokens; 1: none)", self.chunks)
+        if self.overlap not in OVERLAPS:
+            _refuse(f"{where}.overlap", f"one of {', '.join(OVERLAPS)}", self.overlap)
+        if (self.chunks == 1) != (self.overlap == "none"):
+            _refuse(f"{where}.overlap", "'none' with chunks 1, and 'fusions' or 'streams' with more"
+                    f" (chunks is {self.chunks})", self.overlap)
+        if self.collective not in COLLECTIVES:
+            _refuse(f"{where}.collective", f"one of {', '.join(COLLECTIVES)} (nvFuser's communicator backends)",
+                    self.collective)
+        if self.collective != "nccl" and self.overlap != "streams":
+            _refuse(f"{where}.collective", "'nccl' unless overlap is 'streams' (a fusion run by fd.execute "
+                    "posts its collectives through NCCL; only nvFuser's MultiDeviceExecutor takes another)",
+                    self.collective)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.style.endswith("-sp")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The whole block's schedule; `linears` by name (LINEARS). cuts: where the
+    passes are cut into fusions (FORWARD_CUTS, BACKWARD_CUTS); a chunked linear
+    adds its own (fusion_cuts). masks, qkv_split, flash_layout, keys_on_device:
+    block/form.py's. split_unit_axes: also split over a mesh axis of one
+    device (parallel/schedule.apply_placement). enable_options,
+    disable_options: nvFuser's, for every fusion; fusion_options: more for
+    some fusions, by the cut point each begins at ("" the first), e.g.
+    {"attn.c_attn.out": {"disable_options": ["infer_contiguity"]}}.
+    mesh=False: the fusions without a device mesh (1x1 only), run by
+    nvFuser's single-device executor."""
+
+    name: str
+    linears: dict = field(default_factory=dict)
+    cuts: tuple[str, ...] = ()
+    masks: str = "fusion"
+    qkv_split: str = "slice"
+    flash_layout: bool = True
+    keys_on_device: bool = False
+    split_unit_axes: bool = False
+    enable_options: tuple[str, ...] = ()
+    disable_options: tuple[str, ...] = ()
+    fusion_options: dict = field(default_factory=dict)
+    mesh: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            _refuse("name", "a non-empty string", self.name)
+        if not isinstance(self.linears, dict) or set(self.linears) != set(LINEARS):
+            _refuse("linears", f"an entry for each of {', '.join(LINEARS)}",
+                    sorted(self.linears) if isinstance(self.linears, dict) else self.linears)
+        for linear, plan in self.linears.items():
+            if not isinstance(plan, LinearSchedule):
+                _refuse(f"linears.{linear}", "a LinearSchedule", plan)
+            plan.check(linear)
+        sp = {plan.sequence_parallel for plan in self.linears.values()}
+        if len(sp) > 1:
+            _refuse("linears", "every linear sequence-parallel ('-sp' styles) or none (the regions between "
+                    "them are either split over the sequence or not)", {k: v.style for k, v in self.linears.items()})
+        for name in ("cuts", "enable_options", "disable_options"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                _refuse(name, "a list of strings", value)
+            object.__setattr__(self, name, tuple(value))
+        if not isinstance(self.fusion_options, dict):
+            _refuse("fusion_options", "an object of {cut point: {enable_options, disable_options}}", self.fusion_options)
+        for point, opts in self.fusion_options.items():
+            if point not in ("",) + FORWARD_CUTS + BACKWARD_CUTS:
+                _refuse(f"fusion_options.{point}", "a cut point a fusion begins at ('' for a pass's first)", point)
+            if not isinstance(opts, dict) or set(opts) - {"enable_options", "disable_options"} or not all(
+                    isinstance(v, (list, tuple)) and all(isinstance(o, str) for o in v) for v in opts.values()):
+                _refuse(f"fusion_options.{point}", "an object of enable_options and/or disable_options, "
+                        "each a list of nvFuser option names", opts)
+        unknown = [c for c in self.cuts if c not in FORWARD_CUTS + BACKWARD_CUTS]
+        if unknown:
+            _refuse("cuts", f"cut points among {', '.join(FORWARD_CUTS + BACKWARD_CUTS)}", unknown)
+        if self.masks not in MASK_FORMS:
+            _refuse("masks", f"one of {', '.join(MASK_FORMS)}", self.masks)
+        if self.qkv_split not in QKV_SPLITS:
+            _refuse("qkv_split", f"one of {', '.join(QKV_SPLITS)}", self.qkv_split)
+        for name in ("flash_layout", "keys_on_device", "split_unit_axes", "mesh"):
+            if not isinstance(getattr(self, name), bool):
+                _refuse(name, "true or false", getattr(self, name))
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return any(plan.sequence_parallel for plan in self.linears.values())
+
+    def chunked(self) -> dict[str, LinearSchedule]:
+        """The linears whose collectives run in chunks."""
+        return {name: plan for name, plan in self.linears.items() if plan.chunks > 1}
+
+    def fusion_cuts(self) -> frozenset[str]:
+        """Every cut: the schedule's, and around each chunked linear (a fusion of
+        its own): before and after it in the forward, and before and after a
+        column-parallel linear's input-gradient matmul in the backward."""
+        cuts = set(self.cuts)
+        for linear in self.chunked():
+            cuts |= {linear, f"{linear}.out"}
+            if linear in COLUMN:
+                cuts |= {f"grad:{linear}.in", f"grad:{linear}.in.out"}
+        return frozenset(cuts)
+
+    def form(self) -> Form:
+        """How the fusions are written under this schedule (block/form.py)."""
+        return Form(self.fusion_cuts(), self.masks, self.qkv_split, self.flash_layout, self.keys_on_device)
+
+    def replace(self, **changes) -> "Schedule":
+        return dataclasses.replace(self, **changes)
+
+    def layout(self, dp: int, tp: int) -> Layout:
+        return Layout(dp, tp, sp=self.sequence_parallel)
+
+    def check(self, cfg: BlockConfig, layout: Layout) -> None:
+        """Refuse, in one line, what this schedule cannot do for this block on this mesh."""
+        streams = [name for name, plan in self.chunked().items() if plan.overlap == "streams"]
+        if streams and layout.dp != 1:
+            raise ValueError(f"schedule {self.name!r}: overlap 'streams' ({', '.join(streams)}) runs on a 1 x tp "
+                             f"mesh (nvFuser 0.2.36's host IR lowering, tried on one dp row only), got "
+                             f"{layout.dp}x{layout.tp}; overlap 'fusions' runs on any mesh")
+        if layout.sp != self.sequence_parallel:
+            raise ValueError(f"schedule {self.name!r} is {'' if self.sequence_parallel else 'not '}sequence-parallel "
+                             f"but the layout is {'' if layout.sp else 'not '}(sp={layout.sp}): use a "
+                             f"{'megatron-sp' if layout.sp else 'megatron'}-style schedule, or the layout "
+                             f"schedule.layout(dp, tp) gives")
+        if not self.mesh and layout.world_size != 1:
+            raise ValueError(f"schedule {self.name!r}: mesh=false needs a 1x1 layout, got {layout.dp}x{layout.tp}")
+        for linear, plan in self.chunked().items():
+            rows = cfg.seq // layout.tp if plan.sequence_parallel else cfg.batch // layout.dp * cfg.seq
+            what = "the rank's part of the sequence (s/tp)" if plan.sequence_parallel else "the rank's tokens (b/dp x s)"
+            if rows % plan.chunks:
+                raise ValueError(f"schedule field 'linears.{linear}.chunks': expected a divisor of {what} = "
+                                 f"{rows}, got {plan.chunks}")
+
+    def options(self, point: str) -> dict:
+        """fd.execute's option keywords for the fusion beginning at cut `point`."""
+        extra = self.fusion_options.get(point, {})
+        out = {}
+        for key, every in (("_enable_options", self.enable_options), ("_disable_options", self.disable_options)):
+            names = [*every, *extra.get(key.lstrip("_"), ())]
+            if names:
+                out[key] = names
+        return out
+
+    def as_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["cuts"], out["enable_options"], out["disable_options"] = (list(out[k]) for k in
+                                                                     ("cuts", "enable_options", "disable_options"))
+        return out
+
+
+def _megatron(name: str, sp: bool, chunked: dict | None = None, **block) -> Schedule:
+    """Megatron-LM's styles for every linear; chunked: {linear: (chunks, overlap)}."""
+    suffix = "-sp" if sp else ""
+    linears = {linear: LinearSchedule(("column" if linear in COLUMN else "row") + suffix,
+                                      *(chunked or {}).get(linear, ())) for linear in LINEARS}
+    return Schedule(name, linears, **block)
+
+
+# The sublayers' boundary: the forward cut before the MLP's first linear, the
+# backward between the MLP's and attention's (NOTES.md: the first call's time).
+SUBLAYER_CUTS = ("mlp.c_fc", "grad:attn.c_proj")
+ALL_CUTS = tuple(c for c in FORWARD_CUTS if c != "masks") + BACKWARD_CUTS
+
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
+    # Megatron-LM's tensor parallelism (Shoeybi et al., 2019).
+    _megatron("megatron", sp=False, cuts=SUBLAYER_CUTS),
+    # ... with sequence parallelism in the regions it replicates (Korthikanti et al., 2022).
+    _megatron("megatron-sp", sp=True, cuts=SUBLAYER_CUTS),
+    # Each pass one fusion, its masks drawn inside it: the form before the cuts, kept to compare.
+    _megatron("megatron-whole", sp=False, masks="inline"),
+    _megatron("megatron-sp-whole", sp=True, masks="inline"),
+    # Cut before and after every linear: each a fusion of its own (what an overlap experiment starts from).
+    _megatron("megatron-cut-linears", sp=False, cuts=ALL_CUTS),
+    _megatron("megatron-sp-cut-linears", sp=True, cuts=ALL_CUTS),
+    # Overlap, each chunk a fusion on a side stream: under TP the row-parallel linears' all-reduces
+    # and (backward) the column-parallel ones' input-gradient all-reduces; under SP the all-gathers
+    # before the column-parallel linears and the reduce-scatters after the row-parallel ones (and
+    # after the column-parallel input gradients).
+    _megatron("megatron-overlap", sp=False, cuts=SUBLAYER_CUTS,
+              chunked={linear: (4, "fusions") for linear in LINEARS}),
+    _megatron("megatron-sp-overlap", sp=True, cuts=SUBLAYER_CUTS,
+              chunked={linear: (4, "fusions") for linear in LINEARS}),
+    # Overlap on nvFuser's stream axis (host IR, as its own overlap tests): the row-parallel
+    # all-reduces under TP; the all-gathers under SP (its reduce-scatters run whole: not lowered).
+    _megatron("megatron-overlap-streams", sp=False, cuts=SUBLAYER_CUTS,
+              chunked={linear: (4, "streams") for linear in ROW}),
+    _megatron("megatron-sp-overlap-streams", sp=True, cuts=SUBLAYER_CUTS,
+              chunked={linear: (4, "streams") for linear in LINEARS}),
+)}
+
+
+# Why a collective of a chunked linear runs whole, by (overlap form, phase, collective kind).
+_WHOLE = {
+    ("streams", "forward", "reducescatter"): "nvFuser 0.2.36 does not lower a reduce-scatter chunked on its "
+        "stream axis (it asserts: docs/overlap.md)",
+    ("streams", "backward", "allreduce"): "nvFuser's stream axis is applied to the forward's linears only here "
+        "(the fusions form chunks the backward's)",
+    ("streams", "backward", "reducescatter"): "nvFuser 0.2.36 does not lower a reduce-scatter chunked on its "
+        "stream axis (it asserts: docs/overlap.md)",
+    ("streams", "backward", "allgather"): "the gathered gradient feeds the weight gradient too: chunking the "
+        "gather and both matmuls is not built",
+    ("fusions", "backward", "allgather"): "the gathered gradient feeds the weight gradient too: chunking the "
+        "gather and both matmuls is not built",
+    ("streams", "backward weight", "allgather"): "the weight gradient reads the whole gathered LayerNorm "
+        "output: not chunked",
+    ("fusions", "backward weight", "allgather"): "the weight gradient reads the whole gathered LayerNorm "
+        "output: not chunked",
+}
+
+
+def collective_chunks(schedule: Schedule, linear: str, kind: str, phase: str) -> tuple[int, str]:
+    """(stream chunks, why it runs whole if it does) of one of a linear's collectives
+    (phase: "forward", "backward", or "backward weight" for the gather its weight
+    gradient reads) under the schedule."""
+    plan = schedule.linears[linear]
+    if plan.chunks == 1:
+        return 1, ""
+    why = _WHOLE.get((plan.overlap, phase, kind), "")
+    return (1, why) if why else (plan.chunks, "")
+
+
+def default_schedule(layout: Layout) -> Schedule:
+    return SCHEDULES["megatron-sp" if layout.sp else "megatron"]
+
+
+_FIELDS = {f.name for f in dataclasses.fields(Schedule)}
+_LINEAR_FIELDS = {f.name for f in dataclasses.fields(LinearSchedule)}
+
+
+def schedule_from_dict(data: dict) -> Schedule:
+    """A schedule from plain data: any field of Schedule, `linears` by name with
+    any of LinearSchedule's fields, and `base`, the named schedule the others
+    change (default "megatron")."""
+    if not isinstance(data, dict):
+        _refuse("(the schedule)", "a JSON object of fields", type(data).__name__)
+    unknown = sorted(set(data) - _FIELDS - {"base"})
+    if unknown:
+        _refuse(unknown[0], f"one of {', '.join(sorted(_FIELDS | {'base'}))}", data[unknown[0]])
+    base_name = data.get("base", "megatron")
+    if base_name not in SCHEDULES:
+        _refuse("base", f"a named schedule ({', '.join(SCHEDULES)})", base_name)
+    base = SCHEDULES[base_name]
+    linears = dict(base.linears)
+    given = data.get("linears", {})
+    if not isinstance(given, dict):
+        _refuse("linears", "an object of linears by name", given)
+    for linear, fields in given.items():
+        if linear not in LINEARS:
+            _refuse(f"linears.{linear}", f"a linear among {', '.join(LINEARS)}", linear)
+        if not isinstance(fields, dict):
+            _refuse(f"linears.{linear}", f"an object of {', '.join(sorted(_LINEAR_FIELDS))}", fields)
+        bad = sorted(set(fields) - _LINEAR_FIELDS)
+        if bad:
+            _refuse(f"linears.{linear}.{bad[0]}", f"one of {', '.join(sorted(_LINEAR_FIELDS))}", fields[bad[0]])
+        linears[linear] = dataclasses.replace(linears[linear], **fields)
+    block = {k: v for k, v in data.items() if k not in ("base", "linears")}
+    block.setdefault("name", f"{base_name}+custom" if data.keys() - {"base"} else base_name)
+    return dataclasses.replace(base, linears=linears, **block)
+
+
+def load_schedule(spec) -> Schedule:
+    """A Schedule from a Schedule, a name in SCHEDULES, a dict
+    (schedule_from_dict) or the path of a JSON file holding one."""
+    if isinstance(spec, Schedule):
+        return spec
+    if isinstance(spec, dict):
+        return schedule_from_dict(spec)
+    if not isinstance(spec, str):
+        raise ValueError(f"schedule={spec!r}: expected a name ({', '.join(SCHEDULES)}), a dict or a JSON file")
+    if spec in SCHEDULES:
+        return SCHEDULES[spec]
+    if not os.path.isfile(spec):
+        raise ValueError(f"schedule {spec!r}: not a named schedule ({', '.join(SCHEDULES)}) nor a file")
+    try:
+        with open(spec) as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"schedule file {spec!r}: not readable as JSON ({e})") from None
+    return schedule_from_dict(data)

@@ -1,0 +1,173 @@
+"""Weights from where users have them, checked before they reach a rank.
+
+The block takes nanoGPT's layout (tensors.PARAM_NAMES): every linear stores
+its weight as nn.Linear does, W[out, in], and computes y = x W^T + b.
+
+Hugging Face's GPT-2 uses the same names (ln_1, attn.c_attn, attn.c_proj,
+ln_2, mlp.c_fc, mlp.c_proj) but its linears are `Conv1D`, which stores W as
+[in, out] and computes y = x W + b. So W_nanogpt = W_hf^T for the four linear
+weights; biases and LayerNorms are the same. c_attn's columns are [Q | K | V],
+each head by head, which is nanoGPT's [3, h, d] row order once transposed.
+
+The shapes tell the layouts apart only for the non-square weights (c_attn
+[e, 3e] against [3e, e], c_fc, mlp.c_proj); attn.c_proj is [e, e] in both.
+So a dict is taken in one layout or the other whole, never weight by weight:
+`load()` refuses a dict with any Conv1D-shaped weight and names the HF loader,
+which transposes all four (the square one too).
+
+Not in the state_dict, so not checked here: HF's config must match the
+block's (activation_function "gelu_new", GELU tanh; layer_norm_epsilon 1e-5;
+n_inner None or 4 n_embd; scale_attn_weights True; no scale_attn_by_inverse_layer_idx,
+no reorder_and_upcast_attn).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from tpfuser.config import BlockConfig, Layout
+from tpfuser.block.tensors import PARAM_NAMES, param_shapes
+from tpfuser.parallel.shard import fusion_params, rank_params
+
+LINEAR_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# Buffers older Hugging Face GPT-2 blocks keep in their state_dict (the causal
+# mask and its fill value): not weights, so not refused as unexpected keys.
+HF_BUFFERS = ("attn.bias", "attn.masked_bias")
+_LAYER_KEY = re.compile(r"^(?:transformer\.)?h\.(\d+)\.")
+
+
+def check_tensor(name: str, t) -> None:
+    """A weight must be a floating-point tensor of finite values: load() casts
+    floats to the block's dtype, but an integer tensor cast is almost surely the
+    wrong tensor, and a NaN or inf poisons every output of the block."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise ValueError(f"{name}: expected a floating-point tensor, got {t.dtype}")
+    if t.device.type == "meta":
+        raise ValueError(f"{name}: a tensor on the meta device, which holds no values; expected one with "
+                         f"data (the checkpoint's weights loaded)")
+    check_finite(name, t)
+
+
+def check_finite(name: str, t: torch.Tensor) -> None:
+    """Refuse NaN or inf, saying how many. It reads the tensor back (a sync on a GPU)."""
+    if t.dtype.itemsize == 1:   # fp8: torch has no isfinite for it; its values are exact in fp32
+        t = t.float()
+    bad = ~torch.isfinite(t)
+    n_bad = int(bad.sum())
+    if n_bad:
+        n_nan = int(torch.isnan(t).sum())
+        raise ValueError(f"{name}: {n_bad} of {t.numel()} elements are not finite "
+                         f"({n_nan} NaN, {n_bad - n_nan} inf); expected finite values")
+
+
+def _transposed(state: dict, cfg: BlockConfig) -> list[str]:
+    """The linear weights whose shape is the transpose of nanoGPT's (and not nanoGPT's itself)."""
+    shapes = param_shapes(cfg)
+    return [n for n in LINEAR_WEIGHTS if n in state and isinstance(state[n], torch.Tensor)
+            and tuple(state[n].shape) == shapes[n][::-1] != shapes[n]]
+
+
+def _describe(state: dict, names: list[str]) -> str:
+    return ", ".join(f"{n} {tuple(state[n].shape)}" for n in names)
+
+
+def check_nanogpt(state: dict, cfg: BlockConfig) -> None:
+    """Refuse a dict in HF's layout (or a model's whole state_dict) with a message
+    naming the layout it looks like and the loader that takes it."""
+    layers = sorted({int(m.group(1)) for k in state if (m := _LAYER_KEY.match(k))})
+    if layers and not any(n in state for n in PARAM_NAMES):
+        raise ValueError(f"state_dict looks like a whole model's (layers h.{layers[0]}..h.{layers[-1]}), "
+                         f"expected one block's: pick a layer with "
+                         f"tpfuser.runtime.weights.from_hf_gpt2(state, cfg, layer=i)")
+    flipped = _transposed(state, cfg)
+    if flipped:
+        raise ValueError(f"state_dict looks like Hugging Face GPT-2's Conv1D layout (weights stored [in, out]): "
+                         f"{_describe(state, flipped)}; expected nanoGPT's [out, in]. Load it with "
+                         f"block.load_hf_gpt2(state) (tpfuser.runtime.weights.from_hf_gpt2), which transposes all four "
+                         f"linear weights, the square attn.c_proj too")
+
+
+def check_keys(keys, strict: bool, ignored=()) -> None:
+    """Refuse a state_dict with keys the block has none of (e.g. a LoRA
+    adapter's: loading the rest would compute another model than the
+    user's), naming them; strict=False ignores them. Missing keys are always
+    refused."""
+    keys = list(keys)
+    missing = [n for n in PARAM_NAMES if n not in keys]
+    if missing:
+        raise ValueError(f"state_dict lacks {missing}")
+    unexpected = [k for k in keys if k not in PARAM_NAMES and k not in ignored]
+    if unexpected and strict:
+        shown = ", ".join(map(repr, unexpected[:8])) + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")
+        raise ValueError(f"state_dict has {len(unexpected)} key(s) the block has no tensor for: {shown}; "
+                         f"expected exactly {', '.join(PARAM_NAMES)} (strict=False ignores the others)")
+
+
+def from_hf_gpt2(state: dict, cfg: BlockConfig, layer: int | None = None,
+                 strict: bool = True) -> dict[str, torch.Tensor]:
+    """nanoGPT's layout from Hugging Face's: a `GPT2Block.state_dict()` or, with
+    `layer`, layer i of a `GPT2LMHeadModel` / `GPT2Model` state_dict
+    (`transformer.h.{i}.` or `h.{i}.`; the model's other keys are not the
+    layer's). The four linear weights are transposed (Conv1D's [in, out] ->
+    nn.Linear's [out, in]); everything else is copied by name. A key of the
+    block (or layer) that is none of its tensors is refused (check_keys)."""
+    layers = sorted({int(m.group(1)) for k in state if (m := _LAYER_KEY.match(k))})
+    if layer is None:
+        if layers:
+            raise ValueError(f"state_dict holds layers h.{layers[0]}..h.{layers[-1]} of a model: "
+                             f"pass layer=i (0 <= i <= {layers[-1]})")
+        block = dict(state)
+    else:
+        if layer not in layers:
+            raise ValueError(f"layer={layer}: the state_dict has no keys 'transformer.h.{layer}.' or 'h.{layer}.'"
+                             + (f" (it has h.{layers[0]}..h.{layers[-1]})" if layers else
+                                " (it holds no model layers; for one GPT2Block's state_dict leave layer=None)"))
+        block = {}
+        for key, t in state.items():
+            m = _LAYER_KEY.match(key)
+            if m and int(m.group(1)) == layer:
+                block[key[m.end():]] = t
+    check_keys(block, strict, ignored=HF_BUFFERS)
+    shapes = param_shapes(cfg)
+    nanogpt_like = [n for n in LINEAR_WEIGHTS if isinstance(block[n], torch.Tensor)
+                    and tuple(block[n].shape) == shapes[n] != shapes[n][::-1]]
+    if nanogpt_like:
+        raise ValueError(f"state_dict looks like nanoGPT's nn.Linear layout (weights stored [out, in]): "
+                         f"{_describe(block, nanogpt_like)}; expected Hugging Face's Conv1D [in, out]. "
+                         f"Load it with block.load(state)")
+    out = {}
+    for name in PARAM_NAMES:
+        t = block[name]
+        check_tensor(name, t)
+        expected = shapes[name][::-1] if name in LINEAR_WEIGHTS else shapes[name]
+        if tuple(t.shape) != expected:
+            raise ValueError(f"{name}: expected shape {expected} in Hugging Face's layout "
+                             f"for n_embd={cfg.n_embd}, got {tuple(t.shape)}")
+        out[name] = t.detach().t().contiguous() if name in LINEAR_WEIGHTS else t.detach()
+    return out
+
+
+def rank_shards(state: dict[str, torch.Tensor], cfg: BlockConfig, layout: Layout, rank: int,
+                strict: bool = True) -> list[torch.Tensor]:
+    """A rank's parameter shards (PARAM_NAMES order, the fusion's qkv order, on
+    the CPU) from a nanoGPT-style state_dict (global, blocked c_attn). Floating
+    weights are cast to the block's dtype; integers, NaN and inf are refused, and
+    so is Hugging Face's layout (from_hf_gpt2 converts it), and keys that are
+    none of the block's tensors (check_keys; strict=False ignores them)."""
+    if not isinstance(state, dict):
+        raise ValueError(f"state_dict: expected a dict of tensors by name, got {type(state).__name__}")
+    check_nanogpt(state, cfg)
+    check_keys(state, strict)
+    shapes = param_shapes(cfg)
+    full = {}
+    for name in PARAM_NAMES:
+        check_tensor(name, state[name])
+        if tuple(state[name].shape) != shapes[name]:
+            raise ValueError(f"{name}: expected shape {shapes[name]}, got {tuple(state[name].shape)}")
+        full[name] = state[name].detach().cpu().to(cfg.torch_dtype)
+        check_finite(f"{name} cast to {cfg.dtype}", full[name])   # e.g. fp64 beyond fp32's range
+    return rank_params(fusion_params(full, cfg), layout, rank)
