@@ -1,0 +1,206 @@
+"""Collective times from bus-bandwidth tables, interpolated in message size.
+
+A table gives NCCL's bus bandwidth (nccl-tests' `busbw`, GB/s = 1e9 B/s) at
+message sizes (nccl-tests' `size`: the whole tensor, bytes: an all-reduce's
+buffer, an all-gather's output, a reduce-scatter's input). nccl-tests
+(doc/PERFORMANCE.md) defines busbw so that, for the ring algorithms, it is what
+each rank's link carries:
+
+    time = algorithm_bytes(kind, size, n) / busbw(size)
+    algorithm_bytes = 2 (n-1)/n size    all-reduce (reduce-scatter, then all-gather)
+                      (n-1)/n size      all-gather, reduce-scatter
+
+Between a table's sizes, bus bandwidth is interpolated linearly in log2(size);
+below its smallest size the time is held at that size's time (a latency floor:
+it overstates tiny messages); above its largest the bandwidth is held at the
+largest's. A table measured on n ranks is used for any team size: busbw is
+meant not to depend on n (PERFORMANCE.md), a first-order assumption on one
+NVSwitch. Times are in milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+
+KINDS = ("allreduce", "allgather", "reducescatter")
+MiB = 1 << 20
+
+# Published nccl-tests all-reduce bus bandwidth on 8 H200 (NVLink 4, NVSwitch),
+# 1 to 64 MiB, as quoted in tpfuser issue 32 (close to 52 us + size / 227 GB/s).
+_H200_ALLREDUCE = ((1 * MiB, 39.9), (2 * MiB, 64.5), (4 * MiB, 107.0), (8 * MiB, 156.0),
+                   (16 * MiB, 220.0), (32 * MiB, 276.0), (64 * MiB, 347.0))
+_H200_SOURCE = "published nccl-tests all_reduce_perf on 8xH200, 1-64 MiB, as quoted in tpfuser issue 32"
+_RING_NOTE = ("derived, not measured: the all-reduce's bus bandwidth at each size (no published 8-GPU figures "
+              "for it were at hand; NCCL's ring all-gather and reduce-scatter reach an effective NVLink busbw "
+              "near 370 GB/s on H100, NVIDIA/nccl-tests#212); replace with all_gather_perf / "
+              "reduce_scatter_perf output from the machine (--comm-table)")
+_H100_NOTE = ("derived, not measured: the 8xH200 table (H100 and H200 SXM share NVLink 4, 18 links, 900 GB/s "
+              "a GPU, and the NVSwitch); replace with nccl-tests output from an 8xH100 (--comm-table)")
+
+
+def algorithm_factor(kind: str, ranks: int) -> float:
+    """Bytes each rank sends per byte of the tensor (ring algorithms)."""
+    if kind not in KINDS:
+        raise ValueError(f"collective kind {kind!r}: expected one of {', '.join(KINDS)}")
+    return (2.0 if kind == "allreduce" else 1.0) * (ranks - 1) / ranks
+
+
+def algorithm_bytes(kind: str, nbytes: float, ranks: int) -> float:
+    """What each rank sends for a tensor of nbytes: 2(n-1)/n of it for an all-reduce, (n-1)/n otherwise."""
+    return algorithm_factor(kind, ranks) * nbytes
+
+
+@dataclass(frozen=True)
+class BusTable:
+    """One collective's bus bandwidth (GB/s) at message sizes (bytes), ascending; `source` says where from."""
+
+    kind: str
+    sizes: tuple[int, ...]
+    busbw_gbps: tuple[float, ...]
+    ranks: int = 8
+    source: str = ""
+
+    def __post_init__(self):
+        where = f"bus table {self.kind!r}"
+        if self.kind not in KINDS:
+            raise ValueError(f"{where}: kind expected one of {', '.join(KINDS)}")
+        if not self.sizes or len(self.sizes) != len(self.busbw_gbps):
+            raise ValueError(f"{where}: expected as many sizes as bandwidths (at least one), got "
+                             f"{len(self.sizes)} and {len(self.busbw_gbps)}")
+        if any(b <= a for a, b in zip(self.sizes, self.sizes[1:])) or self.sizes[0] <= 0:
+            raise ValueError(f"{where}: sizes expected positive and ascending, got {list(self.sizes)}")
+        if not all(isinstance(v, (int, float)) and 0 < v < math.inf for v in self.busbw_gbps):
+            raise ValueError(f"{where}: bandwidths expected positive and finite GB/s, got {list(self.busbw_gbps)}")
+
+    def busbw(self, nbytes: float) -> float:
+        """Bus bandwidth, GB/s, at a message of nbytes (log2-size interpolation, held at the ends)."""
+        sizes, bw = self.sizes, self.busbw_gbps
+        if nbytes <= sizes[0]:
+            return bw[0]
+        if nbytes >= sizes[-1]:
+            return bw[-1]
+        i = next(i for i in range(1, len(sizes)) if nbytes <= sizes[i])
+        t = (math.log2(nbytes) - math.log2(sizes[i - 1])) / (math.log2(sizes[i]) - math.log2(sizes[i - 1]))
+        return bw[i - 1] + t * (bw[i] - bw[i - 1])
+
+    def time_ms(self, nbytes: float, ranks: int) -> float:
+        """One collective of a tensor of nbytes over `ranks` ranks, ms; 0 for a team of one."""
+        if ranks <= 1 or nbytes <= 0:
+            return 0.0
+        size = max(nbytes, self.sizes[0])   # the latency floor below the table
+        return algorithm_bytes(self.kind, size, ranks) / (self.busbw(size) * 1e9) * 1e3
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    name: str
+    tables: dict   # kind -> BusTable
+    source: str
+
+    def time_ms(self, kind: str, nbytes: float, ranks: int) -> float:
+        if kind not in self.tables:
+            raise ValueError(f"interconnect {self.name!r}: no {kind} table (it has {', '.join(self.tables)})")
+        return self.tables[kind].time_ms(nbytes, ranks)
+
+    def replace(self, tables: dict, name: str | None = None) -> "Interconnect":
+        merged = {**self.tables, **tables}
+        return Interconnect(name or f"{self.name}+given", merged, "; ".join(
+            f"{k}: {t.source}" for k, t in merged.items()))
+
+
+def _table(kind: str, points, source: str) -> BusTable:
+    return BusTable(kind, tuple(s for s, _ in points), tuple(b for _, b in points), 8, source)
+
+
+def _nvlink(name: str, note: str | None) -> Interconnect:
+    ar = _H200_SOURCE if note is None else f"{_H200_SOURCE}; {note}"
+    tables = {"allreduce": _table("allreduce", _H200_ALLREDUCE, ar)}
+    for kind in ("allgather", "reducescatter"):
+        tables[kind] = _table(kind, _H200_ALLREDUCE, f"{ar}; {_RING_NOTE}")
+    return Interconnect(name, tables, f"all-reduce: {ar}; all-gather and reduce-scatter: {_RING_NOTE}")
+
+
+INTERCONNECTS = {"h200-nvlink": _nvlink("h200-nvlink", None), "h100-nvlink": _nvlink("h100-nvlink", _H100_NOTE)}
+
+
+def flat(busbw_gbps: float) -> Interconnect:
+    """One bus bandwidth at every size and for every kind (plan's --bandwidth): no latency term."""
+    tables = {k: BusTable(k, (1,), (busbw_gbps,), 8, f"flat {busbw_gbps:g} GB/s (--bandwidth)") for k in KINDS}
+    return Interconnect(f"flat-{busbw_gbps:g}", tables, f"flat {busbw_gbps:g} GB/s, as given (--bandwidth)")
+
+
+def interconnect(name: str) -> Interconnect:
+    if name not in INTERCONNECTS:
+        raise ValueError(f"--interconnect={name!r}: expected one of {', '.join(INTERCONNECTS)}")
+    return INTERCONNECTS[name]
+
+
+_TOOLS = {"all_reduce_perf": "allreduce", "all_gather_perf": "allgather", "reduce_scatter_perf": "reducescatter"}
+
+
+def parse_nccl_tests(text: str, kind: str | None = None, source: str = "nccl-tests output") -> BusTable:
+    """A BusTable from nccl-tests' text output: the out-of-place busbw column of
+    each data row, by the header line's columns; the kind from `kind` or the
+    tool's name in the text (all_reduce_perf, ...); the ranks from its
+    '#  Rank N ...' lines."""
+    names = {_TOOLS[t] for t in _TOOLS if t in text}
+    if kind is None:
+        if len(names) != 1:
+            seen = f"several: {', '.join(sorted(names))}" if names else "no tool name such as all_reduce_perf in it"
+            raise ValueError(f"{source}: cannot tell the collective ({seen}): name it, e.g. --comm-table allreduce=FILE")
+        kind = names.pop()
+    header = None
+    rows = []
+    for line in text.splitlines():
+        tokens = line.replace("#", " ").split()
+        if line.lstrip().startswith("#") and tokens[:2] == ["size", "count"] and "busbw" in tokens:
+            header = tokens
+        elif header and not line.lstrip().startswith("#") and tokens and tokens[0].isdigit():
+            if len(tokens) <= header.index("busbw"):
+                continue
+            try:
+                rows.append((int(tokens[0]), float(tokens[header.index("busbw")])))
+            except ValueError:
+                continue
+    if header is None:
+        raise ValueError(f"{source}: no nccl-tests header line ('#  size  count  type ... busbw') found")
+    rows = sorted({s: b for s, b in rows if s > 0 and b > 0}.items())
+    if not rows:
+        raise ValueError(f"{source}: no data rows with a positive size and busbw under the header")
+    ranks = len(set(re.findall(r"^#\s+Rank\s+(\d+)", text, flags=re.M)))
+    return BusTable(kind, tuple(s for s, _ in rows), tuple(b for _, b in rows), ranks or 8,
+                    f"{source} ({len(rows)} sizes, {ranks or 'unknown, taken as 8'} ranks)")
+
+
+def read_comm_table(spec: str) -> dict:
+    """kind -> BusTable from `[KIND=]FILE`: nccl-tests' text output, or JSON
+    {"source": ..., "tables": {kind: {"sizes": [bytes...], "busbw_gbps": [...], "ranks": n}}}."""
+    head, sep, tail = spec.partition("=")
+    kind, path = (head, tail) if sep and "/" not in head else ("", spec)
+    if kind and kind not in KINDS:
+        raise ValueError(f"--comm-table={spec!r}: kind expected one of {', '.join(KINDS)}, got {kind!r}")
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"--comm-table={spec!r}: not readable ({e.strerror})") from None
+    if not text.lstrip().startswith("{"):
+        return {(t := parse_nccl_tests(text, kind or None, f"nccl-tests output {path}")).kind: t}
+    try:
+        data = json.loads(text)
+        source = data.get("source", path)
+        out = {}
+        for k, t in data["tables"].items():
+            out[k] = BusTable(k, tuple(int(s) for s in t["sizes"]), tuple(float(b) for b in t["busbw_gbps"]),
+                              int(t.get("ranks", 8)), f"{source} ({path})")
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as e:
+        raise ValueError(f"--comm-table={spec!r}: expected nccl-tests output or JSON "
+                         f"{{'tables': {{kind: {{'sizes', 'busbw_gbps'}}}}}}, got {type(e).__name__}: {e}") from None
+    if kind:
+        out = {kind: out[kind]} if kind in out else {}
+    if not out:
+        raise ValueError(f"--comm-table={spec!r}: no table{' for ' + kind if kind else ''} in it")
+    return out
