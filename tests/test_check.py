@@ -333,3 +333,39 @@ def test_no_collectives_planned_over_a_team_of_one_without_unit_splits():
         assert all(r["matches"] for r in compare_with_plan(nothing, cfg, layout, 1).values())
         assert not any(r["matches"] for r in compare_with_plan(nothing, cfg, layout, 1, SCHEDULES["megatron-sp" if sp else "megatron"].replace(split_unit_axes=True)).values())
     assert not any(r["matches"] for r in compare_with_plan(nothing, cfg, Layout(1, 2), 0).values())
+
+
+class _RepeatingBlock(_ExactBlock):
+    """_ExactBlock whose every training forward returns fresh bits in `changes`:
+    an unwritten placeholder (tensors.py: sdpa_offset) or a real output."""
+    changes: str = ""
+    calls = 0
+
+    def forward_train(self, x, seed, offset):
+        _RepeatingBlock.calls += 1
+        named, saved = super().forward_train(x, seed, offset)
+        names = self.saved_names()
+        if self.changes == "out":
+            named = {"out": named["out"] + 1e-3 * _RepeatingBlock.calls}
+        elif self.changes in names:
+            saved[names.index(self.changes)] = torch.full((), _RepeatingBlock.calls)
+        return named, saved
+
+
+@pytest.mark.parametrize("changes, repeats", [("sdpa_offset", True), ("out", False), ("ln_1.mean", False)])
+def test_a_second_call_must_equal_the_first_except_where_nothing_was_written(monkeypatch, changes, repeats):
+    import tpfuser.verify.check as check_module
+    case = Case(preset("tiny", dtype="bf16", dropout=0.0))
+    real_expectations = check_module.expectations
+
+    def expectations(*args, **kwargs):
+        _ExactBlock.exp = real_expectations(*args, **kwargs)
+        return _ExactBlock.exp
+    import tpfuser.verify.oracle as oracle_module
+    monkeypatch.setattr(oracle_module, "flash_attention", _math_attention)
+    monkeypatch.setattr(check_module, "expectations", expectations)
+    monkeypatch.setattr(check_module, "ShardedBlock", _RepeatingBlock)
+    _RepeatingBlock.masks, _RepeatingBlock.perturb, _RepeatingBlock.changes = {}, None, changes
+    report = check_module.check(case, device=torch.device("cpu"))
+    assert report.repeats["training forward"] is repeats
+    assert report.repeats["forward"] and report.repeats["backward"]

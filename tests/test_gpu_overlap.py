@@ -5,27 +5,20 @@ two ranks sharing the GPU, the 4-chunk linear without CUDA_DEVICE_MAX_CONNECTION
 every chunked schedule runs with the variable."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.ranks_on_one_gpu import run_on_ranks
 
 
 def _row_parallel_on_two_ranks(tmp_path, connections: str | None) -> dict:
-    from tpfuser.dist.sharegpu import SHARED_GPU_MARK, SHIM_VARIABLE, build_default_stream_shim
     env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
     if connections is not None:
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = connections
-    env[SHIM_VARIABLE], env[SHARED_GPU_MARK] = build_default_stream_shim(), "1"
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     out = tmp_path / "race.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "tpfuser.dist.sharegpu", "--script", os.path.join(ROOT, "tools", "overlap_check.py"),
-           "--only", "row", "--chunks", "1", "4", "--json", str(out)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    done = run_on_ranks("overlap_check.py", ["--only", "row", "--chunks", "1", "4", "--json", str(out)], env=env,
+                        shim=True)
     assert out.exists(), done.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     return {r["chunks"]: r for r in rows}

@@ -113,6 +113,11 @@ def preflight(args) -> None:
     for option in ("json", "png"):
         check_writable(getattr(args, option, None), f"--{option}")
     check_launch(layout if _RUNS_RANKS[args.command] else None, nvfuser=_IMPORTS_NVFUSER[args.command])
+    if _RUNS_RANKS[args.command]:
+        from tpfuser.parallel.schedules import known_failure
+        refused = known_failure(cfgs[0], layout, schedule)
+        if refused:
+            raise ValueError(refused)
     if args.command == "check" and _cuda_count() == 0:
         raise ValueError(NO_GPU)
 

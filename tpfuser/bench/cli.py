@@ -65,6 +65,9 @@ def bench_main(args, argv) -> int:
         cfg = preset(args.preset, dtype="bf16", **({} if args.dropout is None else {"dropout": args.dropout}))
         layout.check(cfg)
         schedule.check(cfg, layout)
+        from tpfuser.parallel.schedules import known_failure
+        if known_failure(cfg, layout, schedule):
+            raise ValueError(known_failure(cfg, layout, schedule))
         check_impls(impls or (), layout, args.train)
         check_writable(args.json, "--json")
         check_writable(args.png, "--png")

@@ -11,7 +11,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from tpfuser.bench.measure import failure
+from tpfuser.bench.measure import failure, saved_activation_bytes
 from tpfuser.bench.report import WORK_ONLY
 from tpfuser.config import Layout
 from tpfuser.dist.world import sum_over_group

@@ -63,7 +63,8 @@ class Tensor:
     parallelism replicates: the block's input and output, LayerNorms, residuals,
     residual dropouts). stream: a mask's dropout stream (dropout.STREAMS).
     flash_layout: in bf16, held in memory as FLASH_MEMORY, not in the order of
-    `dims` (memory_order)."""
+    `dims` (memory_order). unwritten: its values are whatever memory held
+    (nothing compares them)."""
 
     name: str
     role: str
@@ -73,6 +74,7 @@ class Tensor:
     when: Callable[[BlockConfig], bool] = _always
     stream: str | None = None
     flash_layout: bool = False
+    unwritten: bool = False
 
     def shape(self, cfg: BlockConfig) -> tuple[int, ...]:
         sizes = dim_sizes(cfg)
@@ -123,7 +125,9 @@ TENSORS: tuple[Tensor, ...] = (
     Tensor("sdpa_out", "saved", ("b", "h", "s", "d"), when=_bf16, flash_layout=True),
     Tensor("sdpa_lse", "saved", ("b", "h", "s"), "f32", when=_bf16),
     Tensor("sdpa_seed", "saved", ("two",), "u64", when=_bf16),     # flash attention's philox state, per rank
-    Tensor("sdpa_offset", "saved", (), "u64", when=_bf16),
+    # ATen's flash attention returns an unused placeholder here, never written
+    # (its philox state is all in sdpa_seed): its bits differ from call to call.
+    Tensor("sdpa_offset", "saved", (), "u64", when=_bf16, unwritten=True),
     Tensor("x1", "saved", ("b", "s", "e"), "f32", seq_split=True),   # the residual after attention
     Tensor("ln_2.mean", "saved", ("b", "s"), "f32", seq_split=True),
     Tensor("ln_2.rstd", "saved", ("b", "s"), "f32", seq_split=True),

@@ -86,7 +86,8 @@ class Schedule:
     some fusions, by the cut point each begins at ("" the first), e.g.
     {"attn.c_attn.out": {"disable_options": ["infer_contiguity"]}}.
     mesh=False: the fusions without a device mesh (1x1 only), run by
-    nvFuser's single-device executor."""
+    nvFuser's single-device executor. experimental: run what nvFuser 0.2.36
+    is known to fail (known_failure), to try a way round it."""
 
     name: str
     linears: dict = field(default_factory=dict)
@@ -100,6 +101,7 @@ class Schedule:
     disable_options: tuple[str, ...] = ()
     fusion_options: dict = field(default_factory=dict)
     mesh: bool = True
+    experimental: bool = False
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -136,7 +138,7 @@ class Schedule:
             _refuse("masks", f"one of {', '.join(MASK_FORMS)}", self.masks)
         if self.qkv_split not in QKV_SPLITS:
             _refuse("qkv_split", f"one of {', '.join(QKV_SPLITS)}", self.qkv_split)
-        for name in ("flash_layout", "keys_on_device", "split_unit_axes", "mesh"):
+        for name in ("flash_layout", "keys_on_device", "split_unit_axes", "mesh", "experimental"):
             if not isinstance(getattr(self, name), bool):
                 _refuse(name, "true or false", getattr(self, name))
 
@@ -246,6 +248,22 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
     _megatron("megatron-sp-overlap-streams", sp=True, cuts=SUBLAYER_CUTS,
               chunked={linear: (4, "streams") for linear in LINEARS}),
 )}
+
+
+ONE_HEAD_REPRODUCER = "tools/repro_one_head.py"
+
+
+def known_failure(cfg: BlockConfig, layout: Layout, schedule: Schedule | None = None) -> str | None:
+    """Why nvFuser 0.2.36 cannot run this block on this mesh, in one line, or
+    None. One head per rank: every form of the q/k/v split fails inside
+    nvFuser (docs/one-head.md); a schedule with experimental=true runs it anyway."""
+    if schedule is not None and schedule.experimental:
+        return None
+    if layout.tp > 1 and cfg.n_head // layout.tp == 1:
+        return (f"n_head={cfg.n_head} over tp={layout.tp} is one head per rank, which nvFuser 0.2.36 fails in "
+                f"every form tried (a stride check on the 1-long head axis; docs/one-head.md, reproducer "
+                f"{ONE_HEAD_REPRODUCER}): use a tp that leaves each rank 2 heads or more")
+    return None
 
 
 # Why a collective of a chunked linear runs whole, by (overlap form, phase, collective kind).

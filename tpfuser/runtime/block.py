@@ -25,7 +25,7 @@ from tpfuser.config import BlockConfig, Layout
 from tpfuser.dist.world import describe_single_process, sum_over_group
 from tpfuser.parallel.placements import PARAM_PLACEMENTS, local_shape, placements
 from tpfuser.parallel.schedule import Pass, build_pass
-from tpfuser.parallel.schedules import Schedule, default_schedule, load_schedule
+from tpfuser.parallel.schedules import Schedule, default_schedule, known_failure, load_schedule
 from tpfuser.parallel.shard import local_slice, slice_starts
 from tpfuser.runtime.chunked import ChunkedLinears
 from tpfuser.runtime.weights import check_finite, check_tensor, from_hf_gpt2, rank_shards
@@ -107,6 +107,9 @@ class ShardedBlock:
         self.schedule = default_schedule(layout) if schedule is None else load_schedule(schedule)
         self.schedule.check(cfg, layout)
         layout.check(cfg)
+        refused = known_failure(cfg, layout, self.schedule)
+        if refused:
+            raise ValueError(refused)
         describe_single_process()
         self.cfg, self.layout, self.rank, self.check = cfg, layout, rank, check
         self.dp_rank, self.tp_rank = layout.rank_coords(rank)

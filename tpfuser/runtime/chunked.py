@@ -130,7 +130,8 @@ def chunk_layout(pattern: str, a: torch.Tensor, n_out: int, chunks: int, tp: int
     c = s_l // chunks
     by_rank = a.view(b, tp, s_l, a.shape[2])
     out = torch.empty(b, s_l, n_out, dtype=a.dtype, device=a.device)
-    return out, (lambda i: by_rank[:, :, i * c:(i + 1) * c].reshape(b, tp * c, a.shape[2])), \
+    # (contiguous: with one position a chunk, c = 1, reshape returns a strided view)
+    return out, (lambda i: by_rank[:, :, i * c:(i + 1) * c].reshape(b, tp * c, a.shape[2]).contiguous()), \
         (lambda i, o: out[:, i * c:(i + 1) * c].copy_(o))
 
 
