@@ -2,6 +2,7 @@
 exit status 2, one line on stderr naming the thing, nothing on stdout (no work
 done first), no traceback, no nvFuser abort. The cases of issue 16 among them."""
 import os
+import stat
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,11 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COM
 TORCHRUN_2 = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
               "MASTER_ADDR": "localhost", "MASTER_PORT": "29511"}
 DIR = "{tmp}"   # a directory that exists
+# Files the fixture makes there, by placeholder: what each holds (None: a named pipe; "->x": a link to x).
+FILES = {"{fifo}": None, "{file}": "", "{dangling}": "->gone/plan.json", "{notjson}": "median 1.0 ms\n",
+         "{truncated}": '{"base": "megatron", "linears": {', "{list}": "[1, 2]",
+         "{chunks_true}": '{"base": "megatron-overlap", "linears": {"mlp.c_proj": {"chunks": true}}}',
+         "{style_int}": '{"base": "megatron", "linears": {"mlp.c_proj": {"style": 3}}}'}
 
 
 # (id, argv, extra environment, words the one line must hold, runs only without CUDA)
@@ -76,12 +82,76 @@ CASES = [
      ["under a launcher (WORLD_SIZE=2) on a machine without a CUDA device"], True),
     ("torchrun_bench_no_cuda", ["bench", "--preset", "tiny", "--tp", "2"], TORCHRUN_2,
      ["under a launcher (WORLD_SIZE=2) on a machine without a CUDA device"], True),
+    # issue 34, round two: further bad inputs of the same kinds
+    ("plan_json_fifo", ["plan", "--json", "{fifo}"], {}, ["--json=", "not a regular file (a pipe, socket or device)"], False),
+    ("bench_json_fifo", ["bench", "--preset", "tiny", "--json", "{fifo}"], {}, ["not a regular file"], False),
+    ("check_json_fifo", ["check", "--json", "{fifo}"], {}, ["not a regular file"], False),
+    ("plan_json_dangling", ["plan", "--json", "{dangling}"], {}, ["a symbolic link to 'gone/plan.json', which does not exist"],
+     False),
+    ("bench_json_dangling", ["bench", "--preset", "tiny", "--json", "{dangling}"], {}, ["which does not exist"], False),
+    ("plan_json_parent_is_a_file", ["plan", "--json", "{file}/plan.json"], {}, ["does not exist", "is a file, not a folder"],
+     False),
+    ("plan_json_trailing_slash", ["plan", "--json", "{tmp}/plan/"], {}, ["a folder's name; give a file name"], False),
+    ("plan_json_name_too_long", ["plan", "--json", "{tmp}/" + "p" * 300], {}, ["its name is 300 bytes long"], False),
+    ("plan_png_dash", ["plan", "--predict", "--calibration", "tests/data/calibration_standin.json", "--png", "-"], {}, ["--png='-': an image is not written to standard output"],
+     False),
+    ("bench_png_dash", ["bench", "--preset", "tiny", "--png", "-"], {}, ["--png='-': an image is not written"], False),
+    ("plan_chunks_zero", ["plan", "--schedule", "megatron-overlap", "--chunks", "0"], {},
+     ["chunks", "expected a positive int", "got 0"], False),
+    ("plan_chunks_no_chunked_linear", ["plan", "--chunks", "4"], {}, ["--chunks=4: schedule 'megatron' chunks no linear"],
+     False),
+    ("plan_schedule_file_directory", ["plan", "--schedule-file", "{tmp}"], {}, ["--schedule-file=", "not a file"], False),
+    ("plan_schedule_file_fifo", ["plan", "--schedule-file", "{fifo}"], {}, ["--schedule-file=", "not a file"], False),
+    ("plan_schedule_file_not_json", ["plan", "--schedule-file", "{notjson}"], {}, ["not readable as JSON"], False),
+    ("plan_schedule_file_truncated", ["plan", "--schedule-file", "{truncated}"], {}, ["not readable as JSON"], False),
+    ("plan_schedule_file_a_list", ["plan", "--schedule-file", "{list}"], {}, ["expected a JSON object of fields"], False),
+    ("plan_schedule_chunks_true", ["plan", "--schedule-file", "{chunks_true}"], {},
+     ["'linears.mlp.c_proj.chunks': expected a positive int", "got True"], False),
+    ("show_schedule_style_int", ["show", "--schedule-file", "{style_int}"], {},
+     ["'linears.mlp.c_proj.style': expected 'row' or 'row-sp'", "got 3"], False),
+    ("plan_n_head_zero", ["plan", "--n-head", "0"], {}, ["n_head=0: must be a positive int"], False),
+    ("plan_dp_negative", ["plan", "--dp", "-1"], {}, ["dp=-1: must be a positive int"], False),
+    ("check_n_head_not_dividing", ["check", "--n-head", "3", "--dtype", "fp32"], {}, ["n_embd=64: must be divisible by n_head=3"],
+     False),
+    ("plan_overlap_zero", ["plan", "--overlap", "0"], {}, ["--overlap=0: must be a positive number of chunks"], False),
+    ("plan_bandwidth_nan", ["plan", "--overlap", "2", "--bandwidth", "nan"], {}, ["--bandwidth=nan: must be a positive"],
+     False),
+    ("plan_calibration_fifo", ["plan", "--predict", "--calibration", "{fifo}"], {}, ["calibration", "not a file"], False),
 ]
+
+
+def _fill(arg: str, tmp) -> str:
+    for placeholder in FILES:
+        arg = arg.replace(placeholder, os.path.join(str(tmp), placeholder.strip("{}")))
+    return arg.replace(DIR, str(tmp))
+
+
+def _make_files(tmp):
+    for placeholder, text in FILES.items():
+        path = os.path.join(str(tmp), placeholder.strip("{}"))
+        if text is None:
+            os.mkfifo(path)
+        elif text.startswith("->"):
+            os.symlink(text[2:], path)
+        else:
+            with open(path, "w") as f:
+                f.write(text)
+
+
+def _state(tmp):
+    """Each entry of the folder: its kind, and a link's target or a file's text (what a refusal must keep)."""
+    out = {}
+    for name in os.listdir(tmp):
+        p = os.path.join(str(tmp), name)
+        st = os.lstat(p)
+        out[name] = (stat.S_IFMT(st.st_mode), os.readlink(p) if os.path.islink(p) else
+                     open(p).read() if stat.S_ISREG(st.st_mode) else None)
+    return out
 
 
 def _run(argv, env, tmp):
     environ = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS} | env
-    argv = [a.replace(DIR, str(tmp)) for a in argv]
+    argv = [_fill(a, tmp) for a in argv]
     return subprocess.run([sys.executable, "-m", "tpfuser.cli", *argv], env=environ, capture_output=True,
                           text=True, timeout=300)
 
@@ -90,14 +160,24 @@ def _run(argv, env, tmp):
 def runs(tmp_path_factory):
     """Every case at once (each is a Python start-up and an import of torch)."""
     tmp = tmp_path_factory.mktemp("refusals")
+    _make_files(tmp)
+    before = _state(tmp)
     cases = [c for c in CASES if not c[4] or NO_CUDA]
     with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
-        done = pool.map(lambda c: _run(c[1], c[2], tmp), cases)
-        return dict(zip((c[0] for c in cases), done))
+        done = dict(zip((c[0] for c in cases), pool.map(lambda c: _run(c[1], c[2], tmp), cases)))
+    done["(folder)"] = (before, _state(tmp))
+    return done
+
+
+def test_refusals_leave_the_folder_as_it_was(runs):
+    """No refused command made, replaced or removed anything there (a pipe still a pipe, a link still its link)."""
+    before, after = runs["(folder)"]
+    assert after == before
 
 
 def test_at_least_25_cases():
     assert len(CASES) >= 25
+    assert len({c[0] for c in CASES}) == len(CASES)
 
 
 @pytest.mark.parametrize("argv, env, words, cpu_only", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
@@ -127,3 +207,54 @@ def test_plan_json_is_written(tmp_path):
     out = tmp_path / "plan.json"
     r = _run(["plan", "--json", str(out)], {}, tmp_path)
     assert r.returncode == 0 and out.read_text().startswith("{")
+
+
+def _api_cases():
+    from tpfuser import BlockConfig, Layout, ShardedBlock, load_schedule, preset
+    tiny = preset("tiny", dtype="fp32")
+    return [
+        ("layout_tp_str", lambda: Layout(tp="2"), "tp='2': must be a positive int, got a str"),
+        ("layout_dp_bool", lambda: Layout(dp=True), "dp=True: must be a positive int, got a bool"),
+        ("layout_sp_int", lambda: Layout(sp=1), "sp=1: must be a bool (True or False), got an int"),
+        ("config_batch_str", lambda: BlockConfig(batch="4", seq=16, n_embd=64, n_head=8),
+         "batch='4': must be a positive int, got a str"),
+        ("config_n_head_bool", lambda: BlockConfig(4, 16, 64, True), "n_head=True: must be a positive int, got a bool"),
+        ("config_dropout_str", lambda: BlockConfig(4, 16, 64, 8, dropout="0.1"),
+         "dropout='0.1': must be a number in [0, 1), got a str"),
+        ("config_dropout_bool", lambda: BlockConfig(4, 16, 64, 8, dropout=False),
+         "dropout=False: must be a number in [0, 1), got a bool"),
+        ("config_dtype_torch", lambda: BlockConfig(4, 16, 64, 8, dtype=torch.float32),
+         "dtype=torch.float32: must be one of ['bf16', 'fp32'] (its name, not a torch.dtype)"),
+        ("preset_override_str", lambda: preset("tiny", seq="16"), "seq='16': must be a positive int, got a str"),
+        ("preset_unknown_field", lambda: preset("tiny", heads=4),
+         "preset('tiny'): BlockConfig has no field 'heads'; expected some of batch, seq, n_embd, n_head, dropout, dtype"),
+        ("preset_not_str", lambda: preset(["tiny"]), "preset=['tiny']: must be one of ['gpt3', 'nanogpt', 'tiny'], got a list"),
+        ("rank_coords_str", lambda: Layout(2, 2).rank_coords("1"),
+         "rank='1': must be an int in [0, 4) for mesh 2x2, got a str"),
+        ("block_rank_str", lambda: ShardedBlock(tiny, Layout(1, 2), rank="1"), "rank='1': expected an int in [0, 2)"),
+        ("block_rank_bool", lambda: ShardedBlock(tiny, Layout(1, 2), rank=True), "rank=True: expected an int in [0, 2)"),
+        ("block_rank_beyond", lambda: ShardedBlock(tiny, Layout(1, 2), rank=2), "rank=2: must be in [0, 2) for mesh 1x2"),
+        ("block_cfg_a_name", lambda: ShardedBlock("tiny"), "cfg='tiny': expected a BlockConfig"),
+        ("schedule_an_int", lambda: load_schedule(42), "schedule=42: expected a name ("),
+        ("schedule_chunks_true", lambda: load_schedule({"base": "megatron-overlap", "linears": {"mlp.c_proj": {"chunks": True}}}),
+         "schedule field 'linears.mlp.c_proj.chunks': expected a positive int"),
+    ]
+
+
+API_IDS = ["layout_tp_str", "layout_dp_bool", "layout_sp_int", "config_batch_str", "config_n_head_bool", "config_dropout_str",
+           "config_dropout_bool", "config_dtype_torch", "preset_override_str", "preset_unknown_field", "preset_not_str",
+           "rank_coords_str", "block_rank_str", "block_rank_bool", "block_rank_beyond", "block_cfg_a_name",
+           "schedule_an_int", "schedule_chunks_true"]
+
+
+@pytest.mark.parametrize("case_id", API_IDS)
+def test_python_api_refusal_is_one_line_naming_the_field(case_id):
+    """The Python API's refusals (issue 34): a stray string or bool where an int
+    (or a bool) is expected is a ValueError naming the field, what was expected
+    and what came, before any work; never a TypeError from deep inside."""
+    cases = {c[0]: c for c in _api_cases()}
+    assert sorted(cases) == sorted(API_IDS)
+    _, make, words = cases[case_id]
+    with pytest.raises(ValueError) as err:
+        make()
+    assert words in str(err.value) and "\n" not in str(err.value), str(err.value)

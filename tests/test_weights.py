@@ -9,7 +9,7 @@ from tpfuser.config import Layout, preset
 from tpfuser.block.tensors import PARAM_NAMES
 from tpfuser.verify.reference import Block, make_block, make_input
 from tpfuser.runtime.block import ShardedBlock
-from tpfuser.runtime.weights import from_hf_gpt2
+from tpfuser.runtime.weights import from_hf_gpt2, rank_shards
 
 transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
@@ -109,6 +109,19 @@ def with_(state, name, value):
     return state
 
 
+def without(state, *names):
+    return {k: v for k, v in state.items() if k not in names}
+
+
+def hf_model_state(n_layer=2):
+    torch.manual_seed(0)
+    return dict(GPT2LMHeadModel(hf_config(CFG, n_layer=n_layer)).state_dict())
+
+
+def fp8(state, dtype=torch.float8_e4m3fn):
+    return {k: v.to(dtype) for k, v in state.items()}
+
+
 def _nan_inf(t):
     t = t.clone()
     t.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
@@ -151,6 +164,59 @@ LOAD_REFUSALS = [
     ("nan_shard", lambda b: b.load_shards([_nan_inf(torch.zeros(b.local_param_shape(n))) if n == "mlp.c_fc.bias"
                                            else torch.zeros(b.local_param_shape(n)) for n in PARAM_NAMES]),
      ["mlp.c_fc.bias: 3 of 256 elements are not finite (1 NaN, 2 inf)"]),
+    # issue 34: keys the block has no tensor for, and keys it lacks, listed
+    ("extra_keys", lambda b: b.load(with_(with_(nanogpt_state(), "lora.A", torch.zeros(2)), "lora.B", torch.zeros(2))),
+     ["state_dict has 2 key(s) the block has no tensor for: 'lora.A', 'lora.B'", "strict=False ignores the others"]),
+    ("many_extra_keys", lambda b: b.load({**nanogpt_state(), **{f"x{i}": torch.zeros(1) for i in range(10)}}),
+     ["10 key(s)", "'x0', 'x1'", "and 2 more"]),
+    ("missing_keys", lambda b: b.load(without(nanogpt_state(), "ln_2.weight", "mlp.c_proj.bias")),
+     ["state_dict lacks ['ln_2.weight', 'mlp.c_proj.bias']: 2 of the block's 12 tensors"]),
+    ("prefixed_keys", lambda b: b.load({f"block.{k}": v for k, v in nanogpt_state().items()}),
+     ["state_dict lacks ['ln_1.weight'", "it has 12 other key(s): 'block.ln_1.weight', 'block.ln_1.bias'"]),
+    ("missing_keys_hf", lambda b: b.load_hf_gpt2(without(hf_state(), "attn.c_attn.bias")),
+     ["state_dict lacks ['attn.c_attn.bias']"]),
+    ("extra_key_hf_block", lambda b: b.load_hf_gpt2(with_(hf_state(), "attn.lora_A", torch.zeros(2))),
+     ["1 key(s) the block has no tensor for: 'attn.lora_A'"]),
+    ("extra_key_of_the_layer", lambda b: b.load_hf_gpt2(with_(hf_model_state(), "transformer.h.1.mlp.lora", torch.zeros(2)),
+                                                       layer=1),
+     ["1 key(s) the block has no tensor for: 'transformer.h.1.mlp.lora'"]),
+    # tensors torch would refuse in its own words, without their name
+    ("meta_weight", lambda b: b.load(with_(nanogpt_state(), "attn.c_proj.bias", torch.zeros(64, device="meta"))),
+     ["attn.c_proj.bias: a tensor on the meta device, which holds no values"]),
+    ("meta_weight_of_a_layer", lambda b: b.load_hf_gpt2(
+        with_(hf_model_state(), "transformer.h.0.ln_1.weight", torch.zeros(64, device="meta")), layer=0),
+     ["transformer.h.0.ln_1.weight: a tensor on the meta device"]),
+    ("fp8_nan", lambda b: b.load(with_(fp8(nanogpt_state()), "mlp.c_fc.bias",
+                                       torch.full((256,), float("nan")).to(torch.float8_e4m3fn))),
+     ["mlp.c_fc.bias: 256 of 256 elements are not finite (256 NaN, 0 inf)"]),
+    ("fp8_e5m2_inf", lambda b: b.load(with_(nanogpt_state(), "ln_1.weight", _nan_inf(torch.ones(64)).to(torch.float8_e5m2))),
+     ["ln_1.weight: 3 of 64 elements are not finite (1 NaN, 2 inf)"]),
+    ("float4_packed", lambda b: b.load(with_(nanogpt_state(), "ln_1.bias",
+                                             torch.zeros(64, dtype=torch.uint8).view(torch.float4_e2m1fn_x2))),
+     ["ln_1.bias: a torch.float4_e2m1fn_x2 tensor, which torch cannot convert to float32"]),
+    ("int32_weight_hf", lambda b: b.load_hf_gpt2(with_(hf_state(), "attn.c_attn.weight",
+                                                      torch.zeros(64, 192, dtype=torch.int32))),
+     ["attn.c_attn.weight: expected a floating-point tensor, got torch.int32"]),
+    ("sparse_weight", lambda b: b.load(with_(nanogpt_state(), "ln_2.bias", torch.zeros(64).to_sparse())),
+     ["ln_2.bias: a sparse_coo tensor; expected a dense one"]),
+    # not a state_dict at all
+    ("state_a_list", lambda b: b.load([torch.zeros(1)]),
+     ["state_dict: expected a dict of tensors by name (a state_dict()), got list"]),
+    ("state_none_hf", lambda b: b.load_hf_gpt2(None), ["state_dict: expected a dict of tensors by name", "got NoneType"]),
+    ("state_int_key", lambda b: b.load(with_(nanogpt_state(), 3, torch.zeros(1))),
+     ["state_dict: key 3 is an int; expected str keys"]),
+    # a stray string (or bool) where an int or a bool is expected
+    ("layer_a_string", lambda b: b.load_hf_gpt2(hf_model_state(), layer="1"),
+     ["layer='1': expected None or an int >= 0 (the model layer's index), got str"]),
+    ("layer_a_bool", lambda b: b.load_hf_gpt2(hf_model_state(), layer=True), ["layer=True: expected None or an int", "bool"]),
+    ("layer_negative", lambda b: b.load_hf_gpt2(hf_model_state(), layer=-1), ["layer=-1: expected None or an int >= 0"]),
+    ("strict_a_string", lambda b: b.load(nanogpt_state(), strict="no"), ["strict='no': expected True or False, got str"]),
+    ("rank_a_string", lambda b: rank_shards(with_(nanogpt_state(), "ln_1.bias", _nan_inf(torch.ones(64))), CFG,
+                                            Layout(1, 2), "1"),   # refused first, before the tensors are read
+     ["rank='1': must be an int in [0, 2) for mesh 1x2, got a str"]),
+    ("cfg_a_name", lambda b: rank_shards(nanogpt_state(), "tiny", Layout(1, 1), 0),
+     ["cfg='tiny': expected a BlockConfig"]),
+    ("cfg_a_name_hf", lambda b: from_hf_gpt2(hf_state(), "tiny"), ["cfg='tiny': expected a BlockConfig"]),
 ]
 
 
@@ -173,6 +239,46 @@ def test_finite_inputs_checked_only_when_asked():
     unchecked._params = []
     with pytest.raises(ValueError, match="x: expected a CUDA tensor"):   # past the values, to the device
         unchecked(x)
+
+
+TAKEN = [
+    ("extra_keys_not_strict", lambda b: b.load(with_(nanogpt_state(), "lora.A", torch.zeros(2)), strict=False)),
+    ("extra_keys_not_strict_hf", lambda b: b.load_hf_gpt2(with_(hf_state(), "lora.A", torch.zeros(2)), strict=False)),
+    ("fp8_weights", lambda b: b.load(fp8(nanogpt_state()))),
+    ("fp8_e5m2_weights_hf", lambda b: b.load_hf_gpt2(fp8(hf_state(), torch.float8_e5m2))),
+    ("hf_mask_buffers", lambda b: b.load_hf_gpt2(with_(with_(hf_state(), "attn.bias", torch.ones(1, 1, 16, 16).tril()),
+                                                       "attn.masked_bias", torch.tensor(-1e4)))),
+    ("hf_mask_buffers_of_a_layer", lambda b: b.load_hf_gpt2(
+        with_(with_(hf_model_state(), "transformer.h.1.attn.bias", torch.ones(1, 1, 16, 16).tril()),
+              "transformer.h.1.attn.masked_bias", torch.tensor(-1e4)), layer=1)),
+    ("nanogpt_mask_buffer", lambda b: b.load(with_(nanogpt_state(), "attn.bias", torch.ones(1, 1, 16, 16).tril()))),
+    ("extra_key_of_another_layer", lambda b: b.load_hf_gpt2(
+        with_(hf_model_state(), "transformer.h.0.mlp.lora", torch.zeros(2)), layer=1)),
+    ("fp64_weights", lambda b: b.load({k: v.double() for k, v in nanogpt_state().items()})),
+]
+
+
+@pytest.mark.parametrize("load", [c[1] for c in TAKEN], ids=[c[0] for c in TAKEN])
+def test_loads_taken(block, load):
+    """Every check passed: the load reaches the device check of the shards (this CPU block's are not on a GPU)."""
+    with pytest.raises(ValueError, match="ln_1.weight: expected a CUDA tensor"):
+        load(block)
+
+
+def test_fp8_weights_cast_to_the_blocks_dtype():
+    state = fp8(nanogpt_state())
+    shards = rank_shards(state, CFG, Layout(1, 1), 0)
+    assert all(s.dtype == torch.float32 for s in shards)
+    assert torch.equal(shards[PARAM_NAMES.index("ln_1.bias")], state["ln_1.bias"].float())
+
+
+def test_every_load_refusal_names_a_tensor_or_the_field(block):
+    """The rule behind LOAD_REFUSALS: each message begins with what it is about."""
+    names = (*PARAM_NAMES, "state_dict", "layer=", "strict=", "rank=", "cfg=", "transformer.h.", "expected ")
+    for case_id, load, _ in LOAD_REFUSALS:
+        with pytest.raises(ValueError) as err:
+            load(block)
+        assert str(err.value).startswith(names) and "\n" not in str(err.value), (case_id, str(err.value))
 
 
 def test_a_good_dict_passes_every_check(block):

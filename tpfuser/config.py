@@ -15,9 +15,41 @@ import torch
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def _require(ok: bool, what: str, value, rule: str) -> None:
+def _kind(value) -> str:
+    """What came, where its repr alone can mislead ('4' for 4, True for 1):
+    the type of anything that is not a plain number."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return ""
+    return f", got {article(value)}"
+
+
+def article(value) -> str:
+    """"a str", "an int": the type of what came, for a refusal."""
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def _require(ok: bool, what: str, value, rule: str, kind: bool = False) -> None:
+    """Refuse "what=value: rule"; kind: a number is expected, so say the type of anything else."""
     if not ok:
-        raise ValueError(f"{what}={value!r}: {rule}")
+        raise ValueError(f"{what}={value!r}: {rule}{_kind(value) if kind else ''}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(what: str, value) -> None:
+    _require(_is_int(value) and value > 0, what, value, "must be a positive int", kind=True)
+
+
+def _fields_of(cls, changes: dict, where: str) -> None:
+    """Refuse, naming it, a keyword that is none of the dataclass's fields (dataclasses says it in a TypeError)."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in changes if k not in names]
+    if unknown:
+        raise ValueError(f"{where}: {cls.__name__} has no field {', '.join(map(repr, unknown))}; "
+                         f"expected some of {', '.join(names)}")
 
 
 @dataclass(frozen=True)
@@ -33,14 +65,15 @@ class BlockConfig:
 
     def __post_init__(self):
         for name in ("batch", "seq", "n_embd", "n_head"):
-            value = getattr(self, name)
-            _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
-                     name, value, "must be a positive int")
+            _positive_int(name, getattr(self, name))
         _require(self.n_embd % self.n_head == 0, "n_embd", self.n_embd,
                  f"must be divisible by n_head={self.n_head}")
-        _require(isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0,
-                 "dropout", self.dropout, "must be in [0, 1)")
-        _require(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {sorted(DTYPES)}")
+        number = isinstance(self.dropout, (int, float)) and not isinstance(self.dropout, bool)
+        _require(number and 0.0 <= self.dropout < 1.0, "dropout", self.dropout,
+                 "must be in [0, 1)" if number else "must be a number in [0, 1)", kind=True)
+        _require(isinstance(self.dtype, str) and self.dtype in DTYPES, "dtype", self.dtype,
+                 f"must be one of {sorted(DTYPES)}" + (" (its name, not a torch.dtype)"
+                                                        if isinstance(self.dtype, torch.dtype) else ""))
         if self.dtype == "bf16":
             # bf16 attention is flash attention's kernel (sdpfa_fwd), which takes these head sizes
             # only; it would fail on the GPU, after the fusion is built. fp32 writes attention out.
@@ -58,6 +91,7 @@ class BlockConfig:
         return DTYPES[self.dtype]
 
     def replace(self, **changes) -> "BlockConfig":
+        _fields_of(BlockConfig, changes, "replace()")
         return dataclasses.replace(self, **changes)
 
 
@@ -72,8 +106,10 @@ PRESETS: dict[str, BlockConfig] = {
 
 
 def preset(name: str, **overrides) -> BlockConfig:
-    if name not in PRESETS:
-        raise ValueError(f"preset={name!r}: must be one of {sorted(PRESETS)}")
+    if not isinstance(name, str) or name not in PRESETS:
+        raise ValueError(f"preset={name!r}: must be one of {sorted(PRESETS)}"
+                         + ("" if isinstance(name, str) else _kind(name)))
+    _fields_of(BlockConfig, overrides, f"preset({name!r})")
     return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
 
 
@@ -89,11 +125,9 @@ class Layout:
 
     def __post_init__(self):
         for name in ("dp", "tp"):
-            value = getattr(self, name)
-            _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
-                     name, value, "must be a positive int")
-        _require(isinstance(self.sp, bool), "sp", self.sp, "must be a bool")
-
+            _positive_int(name, getattr(self, name))
+        if not isinstance(self.sp, bool):   # 1 or "yes" is not taken for True
+            raise ValueError(f"sp={self.sp!r}: must be a bool (True or False), got {article(self.sp)}")
 
     @property
     def world_size(self) -> int:
@@ -101,12 +135,14 @@ class Layout:
 
     def rank_coords(self, rank: int) -> tuple[int, int]:
         """(dp_rank, tp_rank) of a global rank; the mesh is arange(dp*tp).reshape(dp, tp)."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank={rank}: must be in [0, {self.world_size}) for mesh {self.dp}x{self.tp}")
+        _require(_is_int(rank) and 0 <= rank < self.world_size, "rank", rank,
+                 f"must be {'' if _is_int(rank) else 'an int '}in [0, {self.world_size}) for mesh {self.dp}x{self.tp}",
+                 kind=True)
         return divmod(rank, self.tp)
 
     def check(self, cfg: BlockConfig) -> None:
         """Raise a ValueError naming the field when cfg cannot be sharded on this mesh."""
+        check_config(cfg)
         _require(cfg.n_head % self.tp == 0, "n_head", cfg.n_head,
                  f"must be divisible by tp={self.tp} (each tp rank takes whole heads)")
         _require((4 * cfg.n_embd) % self.tp == 0, "4*n_embd", 4 * cfg.n_embd,
@@ -116,3 +152,13 @@ class Layout:
         if self.sp:
             _require(cfg.seq % self.tp == 0, "seq", cfg.seq,
                      f"must be divisible by tp={self.tp} under sequence parallelism (the sequence is split over tp)")
+
+
+def check_config(cfg, layout=None) -> None:
+    """Refuse, in one line, a block config or layout of another type (a preset's
+    name, a tuple) before its fields are read."""
+    if not isinstance(cfg, BlockConfig):
+        raise ValueError(f"cfg={cfg!r}: expected a BlockConfig (tpfuser.preset(name) or BlockConfig(...)), "
+                         f"got {type(cfg).__name__}")
+    if layout is not None and not isinstance(layout, Layout):
+        raise ValueError(f"layout={layout!r}: expected a Layout (Layout(dp, tp, sp)), got {type(layout).__name__}")

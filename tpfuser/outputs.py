@@ -4,13 +4,16 @@ Every refusal is one line naming the thing, what was expected and what came
 (ArgParser for the options' syntax). An output path is checked before any
 work (check_writable: never opens it, so it cannot block on a named pipe or
 touch what is there) and written whole or not at all (write_output: a
-temporary file in the same folder, then renamed over the path). "-" is
-standard output.
+temporary file in the same folder, then renamed over the path, with the
+mode the file had; through a symbolic link, the file it names). "-" is
+standard output, where it makes sense: not for an image (check_writable's
+stdout).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import stat
@@ -30,26 +33,60 @@ def _target(path: str) -> str:
     return os.path.realpath(path) if os.path.islink(path) else path
 
 
-def check_writable(path: str | None, option: str) -> None:
+def _name_max(folder: str) -> int:
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
+def check_writable(path, option: str, stdout: bool | None = None) -> None:
     """Refuse now, not after the work, an output path that cannot take a file:
-    empty, a directory, a dangling link, something other than a regular file
-    (a named pipe, a device), or in a folder where no file can be made. Only
-    the folder is written to (a temporary file, removed at once)."""
-    if path is None or path == "-":
+    empty, a directory (or a name ending in /), a dangling link, something
+    other than a regular file (a named pipe, a device), a name too long, or in
+    a folder that is not there or where no file can be made. It never opens
+    the path (a named pipe would block) and changes nothing there: only the
+    folder is written to (a temporary file, removed at once). stdout: whether
+    "-" (standard output) is taken; by default it is, except for an option
+    writing an image (--png: bytes for a terminal or beside the command's text)."""
+    if path is None:
+        return
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"{option}={path!r}: expected a path (str), got {type(path).__name__}")
+    path = os.fspath(path)
+    if stdout is None:
+        stdout = not option.endswith("png")
+    if path == "-":
+        if not stdout:
+            raise ValueError(f"{option}='-': an image is not written to standard output; give a file name")
         return
     if not path.strip():
-        raise ValueError(f"{option}={path!r}: an empty path; give a file name (or - for standard output)")
-    if os.path.islink(path) and not os.path.exists(path):
-        raise ValueError(f"{option}={path!r}: a symbolic link to {os.readlink(path)!r}, which does not exist; "
-                         f"give a file name")
-    target = _target(path)
-    if os.path.isdir(target):
-        raise ValueError(f"{option}={path!r}: is a directory; give a file name")
-    if os.path.exists(target) and not stat.S_ISREG(os.stat(target).st_mode):
-        raise ValueError(f"{option}={path!r}: not a regular file (a pipe, socket or device); give a file name")
-    folder = os.path.dirname(os.path.abspath(target))
-    if not os.path.isdir(folder):
-        raise ValueError(f"{option}={path!r}: its folder {folder!r} does not exist")
+        raise ValueError(f"{option}={path!r}: an empty path; give a file name (or - for standard output)"
+                         if stdout else f"{option}={path!r}: an empty path; give a file name")
+    try:
+        if os.path.islink(path) and not os.path.exists(path):
+            raise ValueError(f"{option}={path!r}: a symbolic link to {os.readlink(path)!r}, which does not exist "
+                             f"(or is a loop of links); give a file name")
+        target = _target(path)
+        if os.path.isdir(target):
+            raise ValueError(f"{option}={path!r}: is a directory; give a file name")
+        if path.endswith(os.sep):
+            raise ValueError(f"{option}={path!r}: ends in {os.sep!r}, a folder's name; give a file name")
+        if os.path.exists(target) and not stat.S_ISREG(os.stat(target).st_mode):
+            raise ValueError(f"{option}={path!r}: not a regular file (a pipe, socket or device); give a file name")
+        folder = os.path.dirname(os.path.abspath(target))
+        if not os.path.isdir(folder):
+            up = folder
+            while up and not os.path.lexists(up):
+                up = os.path.dirname(up) if os.path.dirname(up) != up else ""
+            raise ValueError(f"{option}={path!r}: its folder {folder!r} does not exist"
+                             + (f" ({up!r} is a file, not a folder)" if up and not os.path.isdir(up) else ""))
+        name_max = _name_max(folder)
+        if len(os.fsencode(os.path.basename(target))) > name_max:
+            raise ValueError(f"{option}={path!r}: its name is {len(os.fsencode(os.path.basename(target)))} bytes "
+                             f"long; expected at most {name_max}")
+    except OSError as e:   # a folder on the way that cannot be searched, say
+        raise ValueError(f"{option}={path!r}: cannot be looked at ({e.strerror or e})") from None
     try:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".tpfuser-check-"):
             pass
@@ -59,31 +96,76 @@ def check_writable(path: str | None, option: str) -> None:
         raise ValueError(f"{option}={path!r}: exists and is not writable")
 
 
-def write_output(path: str, text: str, option: str = "output") -> None:
-    """Write text to path whole (a temporary file beside it, renamed over it),
-    or to standard output for "-". On failure (a full disk, say) nothing is
-    left behind and the error is one line naming the path."""
-    if path == "-":
-        sys.stdout.write(text)
-        sys.stdout.flush()
-        return
+def _umask() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)   # (not thread-safe: only where /proc says nothing)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def replacing(path, option: str = "output", suffix: str = ".tmp"):
+    """Yield a temporary path beside `path` (through a symbolic link: beside
+    the file it names), ending in `suffix`, for the caller to write whole;
+    then flush it to disk and rename it over the path, with the mode the file
+    had (a new one: as open() makes it). On any failure, or an interrupt, the
+    temporary file is removed and the path left as it was; an OSError becomes
+    a one-line ValueError naming the path."""
+    path = os.fspath(path)
     target = _target(path)
     folder = os.path.dirname(os.path.abspath(target))
+    # the temporary file's name: the target's, cut to fit the folder's limit with the random part and suffix
+    stem = os.fsencode("." + os.path.basename(target) + ".")[: max(1, _name_max(folder) - 16 - len(os.fsencode(suffix)))]
     tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(target)}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.fsdecode(stem), suffix=suffix)
+        try:
+            mode = stat.S_IMODE(os.stat(target).st_mode) if os.path.exists(target) else 0o666 & ~_umask()
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, target)
         tmp = None
     except OSError as e:
         raise ValueError(f"{option}={path!r}: could not be written ({e.strerror or e}); nothing was written") from None
     finally:
-        if tmp is not None and os.path.exists(tmp):
+        if tmp is not None and os.path.lexists(tmp):
             os.remove(tmp)
 
 
-def write_json(path: str, data, option: str = "--json") -> None:
+def write_output(path, text: str, option: str = "output") -> None:
+    """Write text to path whole (replacing: a temporary file beside it,
+    renamed over it), or to standard output for "-". On failure (a full disk,
+    say) nothing is left behind, the file there is as it was, and the error
+    is one line naming the path."""
+    path = os.fspath(path)
+    if path == "-":
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except BrokenPipeError:   # the reader has gone (| head): nothing more to say to it
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit
+            raise ValueError(f"{option}='-': standard output was closed by its reader before the output ended") from None
+        except OSError as e:
+            raise ValueError(f"{option}='-': standard output could not be written ({e.strerror or e})") from None
+        return
+    with replacing(path, option) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+def write_json(path, data, option: str = "--json") -> None:
     write_output(path, json.dumps(data, indent=1) + "\n", option)

@@ -2,17 +2,32 @@
 one panel per report, the compute floor dashed, the block's work timed alone
 (gemms, gemms+attention) hatched; or, when the reports are of
 several meshes, time against tp, a line per implementation, a panel per
-(preset, pass)."""
+(preset, pass).
+
+    python -m tpfuser.bench.plot OUT.png REPORT.json [REPORT.json ...]   (REPORT "-": standard input)
+
+Its refusals are the command line's: one line naming the thing, exit status 2,
+before anything is read or written (the output path is checked first); a
+figure is written whole or not at all (outputs.replacing). OUT "-" is refused:
+a PNG is no text for a terminal.
+"""
 
 from __future__ import annotations
 
 import itertools
-
 import json
+import os
+import re
+import signal
+import stat
 import sys
 
+from tpfuser.outputs import ArgParser, check_writable, replacing
 
-def plot_reports(reports: list[dict], path: str) -> None:
+MESH = re.compile(r"^[1-9][0-9]*x[1-9][0-9]*$")
+
+
+def plot_reports(reports: list[dict], path: str, option: str = "--png") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -38,11 +53,10 @@ def plot_reports(reports: list[dict], path: str) -> None:
         ax.legend(fontsize=7, loc="lower right")
     fig.suptitle(f"{reports[0].get('gpu', '')}: time per call (labels: ratio to eager)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, option)
 
 
-def plot_scaling(reports: list[dict], path: str) -> None:
+def plot_scaling(reports: list[dict], path: str, option: str = "--png") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -67,19 +81,149 @@ def plot_scaling(reports: list[dict], path: str) -> None:
         ax.legend(fontsize=7)
     fig.suptitle(f"{reports[0].get('gpu', '')}: time against tp", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, option)
+
+
+def figure_format(path: str, option: str = "--png") -> str:
+    """The format matplotlib writes `path` in: its suffix's (no suffix: png),
+    refused in one line where matplotlib has none for it."""
+    from matplotlib.backend_bases import FigureCanvasBase
+    suffix = os.path.splitext(path)[1].lower().lstrip(".")
+    known = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in known:
+        raise ValueError(f"{option}={path!r}: matplotlib writes no {suffix!r} figure; expected a name ending in "
+                         f"{', '.join('.' + k for k in sorted(known))}")
+    return suffix or "png"
+
+
+def save_figure(fig, path: str, option: str = "--png") -> None:
+    """Write the figure whole or not at all (a temporary file with the same
+    suffix beside it, renamed over it), then close it."""
+    import matplotlib.pyplot as plt
+    try:
+        fmt = figure_format(path, option)
+        with replacing(path, option, suffix="." + fmt) as tmp:
+            fig.savefig(tmp, dpi=110, format=fmt)
+    finally:
+        plt.close(fig)
+
+
+def _cut_short(text: str) -> str | None:
+    """Whether JSON text stops before its end (a file cut short: a copy or a
+    write interrupted): "string" inside a string, "bracket" with an object or
+    list still open, else None."""
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+    return "string" if in_string else "bracket" if depth > 0 else None
+
+
+def read_report(path: str) -> dict:
+    """One bench report, refused in one line naming the file for every way it can
+    be wrong: missing, not a regular file (never opened: a named pipe would
+    block), unreadable, not UTF-8, not JSON or cut short, JSON of another kind
+    (validate_report names the field)."""
+    from tpfuser.bench.report import validate_report
+    where = "REPORT='-' (standard input)" if path == "-" else f"REPORT={path!r}"
+    if path == "-":
+        try:
+            text = sys.stdin.buffer.read()
+        except (OSError, AttributeError, ValueError) as e:
+            raise ValueError(f"{where}: standard input could not be read ({e})") from None
+    else:
+        try:
+            info = os.stat(path)
+        except FileNotFoundError:
+            raise ValueError(f"{where}: no such file" + (" (a symbolic link to a file that does not exist)"
+                                                         if os.path.islink(path) else "")) from None
+        except OSError as e:
+            raise ValueError(f"{where}: cannot be looked at ({e.strerror or e})") from None
+        if stat.S_ISDIR(info.st_mode):
+            raise ValueError(f"{where}: is a directory; expected a bench report (tpfuser bench --json)")
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{where}: not a regular file (a pipe, socket or device); give a report's file "
+                             f"(or - for standard input)")
+        try:
+            with open(path, "rb") as f:
+                text = f.read()
+        except OSError as e:
+            raise ValueError(f"{where}: cannot be read ({e.strerror or e})") from None
+    if not text.strip():
+        raise ValueError(f"{where}: empty; expected a bench report's JSON (tpfuser bench --json)")
+    try:
+        decoded = text.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not text (byte {e.start} is not UTF-8); expected a bench report's JSON") from None
+    try:
+        rep = json.loads(decoded)
+    except json.JSONDecodeError as e:
+        if _cut_short(decoded):
+            raise ValueError(f"{where}: cut short (its JSON ends inside an unclosed "
+                             f"{'string' if _cut_short(decoded) == 'string' else 'object or list'}, after "
+                             f"{len(text)} bytes); expected a whole bench report (tpfuser bench --json)") from None
+        raise ValueError(f"{where}: not JSON ({e.msg}: line {e.lineno} column {e.colno}); "
+                         f"expected a bench report (tpfuser bench --json)") from None
+    if not isinstance(rep, dict):
+        raise ValueError(f"{where}: JSON of another kind (a {type(rep).__name__}); expected a bench report, "
+                         f"an object (tpfuser bench --json)")
+    if "collectives" in rep and "results" not in rep:
+        raise ValueError(f"{where}: a plan (tpfuser plan --json), not a bench report (tpfuser bench --json)")
+    if "rows" in rep and "results" not in rep:
+        raise ValueError(f"{where}: a start-up report (tpfuser bench --startup), which is not plotted; "
+                         f"expected a bench report (tpfuser bench --json)")
+    try:
+        validate_report(rep)
+        if not MESH.match(rep["mesh"]):
+            raise ValueError(f"report.mesh: expected DPxTP (e.g. '1x8'), got {rep['mesh']!r}")
+        for name, row in rep["results"].items():
+            ratio = row.get("ratio_to_eager")
+            if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))):
+                raise ValueError(f"report.results[{name!r}].ratio_to_eager: expected float, got {type(ratio).__name__}")
+        if "gpu" in rep and not isinstance(rep["gpu"], str):
+            raise ValueError(f"report.gpu: expected str, got {type(rep['gpu']).__name__}")
+    except (ValueError, TypeError, AttributeError, KeyError) as e:   # (the last: a shape no check foresaw)
+        raise ValueError(f"{where}: not a bench report: {e}") from None
+    return rep
+
+
+def _parser() -> ArgParser:
+    p = ArgParser(prog="python -m tpfuser.bench.plot",
+                  description="Plot bench reports (tpfuser bench --json): a panel per report, or time against tp "
+                              "when the reports are of several meshes.")
+    p.add_argument("out", metavar="OUT.png", help="the figure (its suffix picks the format: .png, .pdf, .svg, ...)")
+    p.add_argument("reports", metavar="REPORT.json", nargs="+", help="bench reports (- for standard input, once)")
+    return p
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) < 2:
-        print("usage: python -m tpfuser.bench.plot OUT.png REPORT.json [REPORT.json ...]", file=sys.stderr)
+    args = _parser().parse_args(argv)
+    try:
+        if args.reports.count("-") > 1:
+            raise ValueError("REPORT='-': standard input given more than once; it holds one report")
+        check_writable(args.out, "OUT", stdout=False)   # before anything is read: the path is the user's first mistake
+        figure_format(args.out, "OUT")
+        reports = [read_report(p) for p in args.reports]
+        several_meshes = len({r["mesh"] for r in reports}) > 1
+        (plot_scaling if several_meshes else plot_reports)(reports, args.out, "OUT")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    from tpfuser.bench.report import validate_report
-    reports = [validate_report(json.load(open(p))) for p in argv[1:]]
-    several_meshes = len({r["mesh"] for r in reports}) > 1
-    (plot_scaling if several_meshes else plot_reports)(reports, argv[0])
+    except KeyboardInterrupt:
+        print("interrupted (SIGINT): nothing was written", file=sys.stderr)
+        return 128 + signal.SIGINT
     return 0
 
 

@@ -27,23 +27,30 @@ import re
 
 import torch
 
-from tpfuser.config import BlockConfig, Layout
+from tpfuser.config import BlockConfig, Layout, article, check_config
 from tpfuser.block.tensors import PARAM_NAMES, param_shapes
 from tpfuser.parallel.shard import fusion_params, rank_params
 
 LINEAR_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # Buffers older Hugging Face GPT-2 blocks keep in their state_dict (the causal
-# mask and its fill value): not weights, so not refused as unexpected keys.
+# mask and its fill value; nanoGPT's CausalSelfAttention keeps the mask as
+# attn.bias too, without flash attention): not weights, so not refused as
+# unexpected keys, in either layout.
 HF_BUFFERS = ("attn.bias", "attn.masked_bias")
 _LAYER_KEY = re.compile(r"^(?:transformer\.)?h\.(\d+)\.")
 
 
 def check_tensor(name: str, t) -> None:
-    """A weight must be a floating-point tensor of finite values: load() casts
-    floats to the block's dtype, but an integer tensor cast is almost surely the
-    wrong tensor, and a NaN or inf poisons every output of the block."""
+    """A weight must be a dense floating-point tensor of finite values, with
+    data: load() casts floats to the block's dtype (fp8 too), but an integer
+    tensor cast is almost surely the wrong tensor, and a NaN or inf poisons
+    every output of the block. Every refusal names the tensor (torch's own
+    errors on such tensors do not)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name}: a {str(t.layout).removeprefix('torch.')} tensor; expected a dense one "
+                         f"(.to_dense() makes it)")
     if not t.is_floating_point():
         raise ValueError(f"{name}: expected a floating-point tensor, got {t.dtype}")
     if t.device.type == "meta":
@@ -55,7 +62,11 @@ def check_tensor(name: str, t) -> None:
 def check_finite(name: str, t: torch.Tensor) -> None:
     """Refuse NaN or inf, saying how many. It reads the tensor back (a sync on a GPU)."""
     if t.dtype.itemsize == 1:   # fp8: torch has no isfinite for it; its values are exact in fp32
-        t = t.float()
+        try:
+            t = t.float()
+        except (RuntimeError, NotImplementedError):   # a packed one (float4_e2m1fn_x2): no conversion
+            raise ValueError(f"{name}: a {t.dtype} tensor, which torch cannot convert to float32 (a packed "
+                             f"format); expected fp32, bf16, fp16, fp64 or fp8") from None
     bad = ~torch.isfinite(t)
     n_bad = int(bad.sum())
     if n_bad:
@@ -91,19 +102,42 @@ def check_nanogpt(state: dict, cfg: BlockConfig) -> None:
                          f"linear weights, the square attn.c_proj too")
 
 
-def check_keys(keys, strict: bool, ignored=()) -> None:
+def _shown(keys: list[str]) -> str:
+    return ", ".join(map(repr, keys[:8])) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+
+
+def check_state(state, what: str = "state_dict") -> None:
+    """A dict of tensors by str name, refused in one line otherwise (before a key is read)."""
+    if not isinstance(state, dict):
+        raise ValueError(f"{what}: expected a dict of tensors by name (a state_dict()), got {type(state).__name__}")
+    odd = [k for k in state if not isinstance(k, str)]
+    if odd:
+        raise ValueError(f"{what}: key {odd[0]!r} is {article(odd[0])}; expected str keys (tensors' names)")
+
+
+def check_strict(strict) -> None:
+    if not isinstance(strict, bool):
+        raise ValueError(f"strict={strict!r}: expected True or False, got {type(strict).__name__}")
+
+
+def check_keys(keys, strict: bool, ignored=(), shown_as=None) -> None:
     """Refuse a state_dict with keys the block has none of (e.g. a LoRA
     adapter's: loading the rest would compute another model than the
     user's), naming them; strict=False ignores them. Missing keys are always
-    refused."""
+    refused, naming them (and the keys there are instead). shown_as: a key's
+    name in the user's dict, where it differs (a model layer's prefix)."""
     keys = list(keys)
+    shown_as = shown_as or {}
+    unexpected = [k for k in keys if k not in PARAM_NAMES and k not in ignored]
     missing = [n for n in PARAM_NAMES if n not in keys]
     if missing:
-        raise ValueError(f"state_dict lacks {missing}")
-    unexpected = [k for k in keys if k not in PARAM_NAMES and k not in ignored]
+        instead = (f"; it has {len(unexpected)} other key(s): {_shown([shown_as.get(k, k) for k in unexpected])}"
+                   if unexpected else "")
+        raise ValueError(f"state_dict lacks {missing}: {len(missing)} of the block's {len(PARAM_NAMES)} tensors"
+                         f"{instead}; expected all of {', '.join(PARAM_NAMES)}")
     if unexpected and strict:
-        shown = ", ".join(map(repr, unexpected[:8])) + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")
-        raise ValueError(f"state_dict has {len(unexpected)} key(s) the block has no tensor for: {shown}; "
+        raise ValueError(f"state_dict has {len(unexpected)} key(s) the block has no tensor for: "
+                         f"{_shown([shown_as.get(k, k) for k in unexpected])}; "
                          f"expected exactly {', '.join(PARAM_NAMES)} (strict=False ignores the others)")
 
 
@@ -115,7 +149,14 @@ def from_hf_gpt2(state: dict, cfg: BlockConfig, layer: int | None = None,
     layer's). The four linear weights are transposed (Conv1D's [in, out] ->
     nn.Linear's [out, in]); everything else is copied by name. A key of the
     block (or layer) that is none of its tensors is refused (check_keys)."""
+    check_config(cfg)
+    check_state(state)
+    check_strict(strict)
+    if layer is not None and (not isinstance(layer, int) or isinstance(layer, bool) or layer < 0):
+        raise ValueError(f"layer={layer!r}: expected None or an int >= 0 (the model layer's index), "
+                         f"got {type(layer).__name__ if not isinstance(layer, int) or isinstance(layer, bool) else layer}")
     layers = sorted({int(m.group(1)) for k in state if (m := _LAYER_KEY.match(k))})
+    shown_as = {}
     if layer is None:
         if layers:
             raise ValueError(f"state_dict holds layers h.{layers[0]}..h.{layers[-1]} of a model: "
@@ -131,7 +172,8 @@ def from_hf_gpt2(state: dict, cfg: BlockConfig, layer: int | None = None,
             m = _LAYER_KEY.match(key)
             if m and int(m.group(1)) == layer:
                 block[key[m.end():]] = t
-    check_keys(block, strict, ignored=HF_BUFFERS)
+                shown_as[key[m.end():]] = key
+    check_keys(block, strict, ignored=HF_BUFFERS, shown_as=shown_as)
     shapes = param_shapes(cfg)
     nanogpt_like = [n for n in LINEAR_WEIGHTS if isinstance(block[n], torch.Tensor)
                     and tuple(block[n].shape) == shapes[n] != shapes[n][::-1]]
@@ -142,10 +184,10 @@ def from_hf_gpt2(state: dict, cfg: BlockConfig, layer: int | None = None,
     out = {}
     for name in PARAM_NAMES:
         t = block[name]
-        check_tensor(name, t)
+        check_tensor(shown_as.get(name, name), t)
         expected = shapes[name][::-1] if name in LINEAR_WEIGHTS else shapes[name]
         if tuple(t.shape) != expected:
-            raise ValueError(f"{name}: expected shape {expected} in Hugging Face's layout "
+            raise ValueError(f"{shown_as.get(name, name)}: expected shape {expected} in Hugging Face's layout "
                              f"for n_embd={cfg.n_embd}, got {tuple(t.shape)}")
         out[name] = t.detach().t().contiguous() if name in LINEAR_WEIGHTS else t.detach()
     return out
@@ -157,11 +199,14 @@ def rank_shards(state: dict[str, torch.Tensor], cfg: BlockConfig, layout: Layout
     the CPU) from a nanoGPT-style state_dict (global, blocked c_attn). Floating
     weights are cast to the block's dtype; integers, NaN and inf are refused, and
     so is Hugging Face's layout (from_hf_gpt2 converts it), and keys that are
-    none of the block's tensors (check_keys; strict=False ignores them)."""
-    if not isinstance(state, dict):
-        raise ValueError(f"state_dict: expected a dict of tensors by name, got {type(state).__name__}")
+    none of the block's tensors (check_keys; strict=False ignores them; the
+    causal-mask buffers HF_BUFFERS are no weights and always ignored)."""
+    check_config(cfg, layout)
+    check_state(state)
+    check_strict(strict)
+    layout.rank_coords(rank)   # a rank of the mesh (an int: "1" is refused)
     check_nanogpt(state, cfg)
-    check_keys(state, strict)
+    check_keys(state, strict, ignored=HF_BUFFERS)
     shapes = param_shapes(cfg)
     full = {}
     for name in PARAM_NAMES:
