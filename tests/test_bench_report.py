@@ -1,21 +1,24 @@
-"""The benchmark's JSON schema and its plot (CPU: on the committed H200 reports)."""
+"""The benchmark's JSON schema and its plot (CPU: on copies of H200 reports in
+tests/data, one of each schema the reports have had; tests/data/README.md)."""
 import copy
 import glob
 import json
+import os
 
 import pytest
 import torch
 
 from tpfuser.bench.report import format_table, validate_report
 
-REPORTS = sorted(glob.glob("results/**/bench_*.json", recursive=True))
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+REPORTS = sorted(glob.glob(os.path.join(DATA, "**", "bench_*.json"), recursive=True))
 
 
 def test_there_are_committed_reports():
     assert REPORTS
 
 
-@pytest.mark.parametrize("path", REPORTS)
+@pytest.mark.parametrize("path", REPORTS, ids=[os.path.relpath(p, DATA) for p in REPORTS])
 def test_committed_reports_follow_the_schema(path):
     rep = validate_report(json.load(open(path)))
     if "eager" in rep["results"]:   # (--impl may leave it out: run 37's gpt3)
@@ -105,15 +108,15 @@ def test_plot_against_tp_when_the_reports_span_meshes(tmp_path, monkeypatch):
     assert main([str(out), *map(str, paths)]) == 0
     assert matplotlib.image.imread(out).shape[0] > 100
     called = []
-    monkeypatch.setattr(tpfuser.bench.plot, "plot_scaling", lambda reps, path: called.append(("scaling", len(reps))))
-    monkeypatch.setattr(tpfuser.bench.plot, "plot_reports", lambda reps, path: called.append(("bars", len(reps))))
+    monkeypatch.setattr(tpfuser.bench.plot, "plot_scaling", lambda reps, path, *_: called.append(("scaling", len(reps))))
+    monkeypatch.setattr(tpfuser.bench.plot, "plot_reports", lambda reps, path, *_: called.append(("bars", len(reps))))
     main([str(out), *map(str, paths)])
     main([str(out), str(paths[0])])
     assert called == [("scaling", 3), ("bars", 1)]
 
 
 def test_a_shared_gpu_report_says_its_timings_are_not_speed_figures():
-    rep = json.load(open("results/2026-12-03-h200/run8/bench_nanogpt.json"))
+    rep = json.load(open(os.path.join(DATA, "2026-12-03-h200", "run8", "bench_nanogpt.json")))
     assert "not speed figures" not in format_table(rep)
     rep["gpus_shared"] = 1
     assert "ranks shared 1 GPU(s) (--share-gpu): these timings are not speed figures" in format_table(rep)

@@ -1,8 +1,8 @@
-"""tools/bf16_eager_error.py: eager bf16's own error, the yardstick of bf16 bounds (CPU)."""
+"""tools/probes/bf16_eager_error.py: eager bf16's own error, the yardstick of bf16 bounds (CPU)."""
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "probes"))
 import bf16_eager_error  # noqa: E402
 
 

@@ -235,7 +235,7 @@ def test_unit_splits_schedule_reaches_the_check(monkeypatch, tmp_path, split):
     """A schedule file with "split_unit_axes": true (what `--unit-splits` was)
     reaches check() in its schedule (which hands it to both ShardedBlocks it
     builds; run on a GPU by tests/test_gpu.py); without it, False (the default
-    since run 30)."""
+    since 2026-12-03; docs/history.md)."""
     import json
 
     import tpfuser.verify.check
@@ -322,7 +322,7 @@ def test_check_hands_split_unit_axes_to_both_its_blocks(monkeypatch):
 
 def test_no_collectives_planned_over_a_team_of_one_without_unit_splits():
     """Without the unit-axis splits (the default), nvFuser posts nothing over
-    tp == 1, and the plan it is compared with says so (run 28 at 2x1: 0/0);
+    tp == 1, and the plan it is compared with says so (on the H200 at 2x1, 2026-12-03: 0/0);
     with the splits it plans tp's all-reduces; with tp > 1 the plan is unchanged."""
     from tpfuser.verify.check import compare_with_plan
     from tpfuser.parallel.schedules import SCHEDULES

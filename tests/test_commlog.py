@@ -7,8 +7,8 @@ from tpfuser.verify.commlog import captured_communications, compare_collectives,
 from tpfuser.config import Layout, preset
 from tpfuser.parallel.placements import collectives
 
-RESULTS = os.path.join(os.path.dirname(__file__), "..", "results")
-SEEN = json.load(open(os.path.join(RESULTS, "2026-12-02-h200", "tp_collectives.json")))["posted"][0]["line"]
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")   # copies of H200 reports (README.md there)
+SEEN = json.load(open(os.path.join(DATA, "2026-12-02-h200", "tp_collectives.json")))["posted"][0]["line"]
 
 
 def test_parses_the_line_seen_on_the_h200():
@@ -75,8 +75,9 @@ def test_error_line_finds_the_assert_and_drops_the_backtrace():
     assert error_line(ValueError("")) == "ValueError"
 
 
-# Run 17 (results/2026-12-03-h200/run17): what nvFuser posted in tiny 1x4 SP's backward, rank 0.
-RUN17 = json.load(open(os.path.join(RESULTS, "2026-12-03-h200", "run17", "tiny_1x4_sp.json")))["cases"][0]["ranks"][0]
+# Run 17 (2026-12-03, H200; tests/data/2026-12-03-h200/run17): what nvFuser posted in tiny 1x4 SP's
+# backward, rank 0.
+RUN17 = json.load(open(os.path.join(DATA, "2026-12-03-h200", "run17", "tiny_1x4_sp.json")))["cases"][0]["ranks"][0]
 
 
 def test_sp_backward_as_posted_on_the_h200_matches_the_plan_in_any_order():
@@ -96,8 +97,8 @@ def test_sp_backward_as_posted_on_the_h200_matches_the_plan_in_any_order():
 
 
 def test_error_message_keeps_nested_segment_errors_and_drops_every_backtrace():
-    """Run 19's one-head failure was cut to 'executor_utils.cpp:511' by
-    error_line; the lines after it name the failing input."""
+    """The one-head failure on the H200 (2026-12-03; docs/history.md) was cut to
+    'executor_utils.cpp:511' by error_line; the lines after it name the failing input."""
     from tpfuser.verify.commlog import error_message
     e = RuntimeError("\n".join([
         "INTERNAL ASSERT FAILED at fusion_kernel_runtime.cpp:476. Detected exception while compiling",

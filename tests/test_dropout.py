@@ -113,7 +113,7 @@ def test_flash_seed_is_a_stream_per_rank_and_call():
 
 
 def test_the_hosts_int_hash_is_the_fusions_hash():
-    """mix32 on a Python int takes plain arithmetic (tools/host_overhead.py: the
+    """mix32 on a Python int takes plain arithmetic (tools/probes/host_overhead.py: the
     keys were most of a call's host time); the torch path, which the fusion's
     nvFuser ops mirror, must give the same 32-bit values."""
     from tpfuser.block.dropout import mix32

@@ -1,9 +1,10 @@
 """Every fusion's printed math, digested (tools/fusion_digests.py), equals the
 committed record: a change meant to leave the fusions alone (issue 14's
 redesign) shows it did. A change of the fusions regenerates the record
-(`python3 tools/fusion_digests.py > results/fusion_digests.json`, and for the
-single-fusion family `python3 tools/fusion_digests.py --schedules
-megatron-whole,megatron-sp-whole > results/fusion_digests_whole.json`) and says why.
+(`python3 tools/fusion_digests.py > tests/data/golden/fusion_digests.json`, and
+for the single-fusion family `python3 tools/fusion_digests.py --schedules
+megatron-whole,megatron-sp-whole > tests/data/golden/fusion_digests_whole.json`)
+and says why.
 
 Two records, one per family of schedules: the default (megatron, megatron-sp:
 the masks in a fusion of their own, the passes cut at the sublayers) and the
@@ -12,6 +13,7 @@ fusions as they were before the schedules. Its record is the one from before
 but for the 50 backward digests: the backward no longer takes the four
 linears' biases it never read (its text otherwise the same, renumbered)."""
 import json
+import os
 import sys
 
 import pytest
@@ -19,8 +21,9 @@ import pytest
 sys.path.insert(0, "tools")
 import fusion_digests  # noqa: E402
 
-RECORDS = {("megatron", "megatron-sp"): "results/fusion_digests.json",
-           ("megatron-whole", "megatron-sp-whole"): "results/fusion_digests_whole.json"}
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "golden")
+RECORDS = {("megatron", "megatron-sp"): os.path.join(GOLDEN, "fusion_digests.json"),
+           ("megatron-whole", "megatron-sp-whole"): os.path.join(GOLDEN, "fusion_digests_whole.json")}
 
 
 @pytest.mark.parametrize("schedules, path", RECORDS.items(), ids=[s[0] for s in RECORDS])

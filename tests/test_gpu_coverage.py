@@ -1,8 +1,12 @@
-"""tools/gpu_coverage.py: which GPU tests a committed JUnit file says passed."""
+"""tools/gpu_coverage.py: which GPU tests a committed JUnit file says passed (the
+H200 runs' JUnit files, copied to tests/data: tests/data/README.md)."""
+import os
 import sys
 
 sys.path.insert(0, "tools")
 import gpu_coverage  # noqa: E402
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
 JUNIT = """<testsuites><testsuite>
 <testcase classname="tests.test_gpu" name="test_a[fp32]" />
@@ -24,7 +28,7 @@ def test_only_passed_cases_count_and_since_drops_earlier_runs(tmp_path):
 
 def test_the_committed_runs_name_real_gpu_tests():
     ids = set(gpu_coverage.gpu_test_ids())
-    passed = gpu_coverage.passed_in("results")
+    passed = gpu_coverage.passed_in(DATA)
     assert len(ids) > 30 and passed
     assert set(passed) <= ids        # a renamed or removed test would linger here as covered
     assert "tests/test_gpu_graphs.py::test_tp_block_graphs_train_as_the_called_module[bf16]" in passed

@@ -1,7 +1,7 @@
-"""tools/host_overhead.py: our Python per call, the fusions' execute faked (CPU)."""
+"""tools/probes/host_overhead.py: our Python per call, the fusions' execute faked (CPU)."""
 import sys
 
-sys.path.insert(0, "tools")
+sys.path.insert(0, "tools/probes")
 import host_overhead  # noqa: E402
 
 

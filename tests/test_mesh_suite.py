@@ -1,13 +1,16 @@
-"""tools/mesh_suite.py on the reports the H200 wrote (run 9): verdicts under
+"""tools/mesh_suite.py on the reports the H200 wrote (run 9, and the runs each
+test names; copies in tests/data, tests/data/README.md): verdicts under
 today's rules, and the README's table drawn from them."""
 import glob
 import json
+import os
 import sys
 
 sys.path.insert(0, "tools")
 import mesh_suite  # noqa: E402
 
-RUN9 = "results/2026-12-03-h200/run9"
+RUNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "2026-12-03-h200")
+RUN9 = os.path.join(RUNS, "run9")
 
 
 def _report(name):
@@ -51,7 +54,7 @@ def test_the_table_has_a_row_per_report_and_dtype():
 def test_stored_collectives_are_judged_by_todays_plan():
     """Run 17's SP reports failed on collectives against the plan they were written
     with (no all-reduces of the tp-replicated gradients); today's plan has them."""
-    report = json.load(open("results/2026-12-03-h200/run17/tiny_2x2_sp.json"))
+    report = json.load(open(f"{RUNS}/run17/tiny_2x2_sp.json"))
     assert not report["ok"]
     assert mesh_suite.summarize(report)["ok"]
     rank = report["cases"][0]["ranks"][3]
@@ -60,7 +63,7 @@ def test_stored_collectives_are_judged_by_todays_plan():
 
 
 def test_a_failed_graph_replay_fails_the_rank():
-    rank = json.load(open("results/2026-12-03-h200/run15/graphs_2x2.json"))["cases"][1]["ranks"][2]
+    rank = json.load(open(f"{RUNS}/run15/graphs_2x2.json"))["cases"][1]["ranks"][2]
     assert rank["graphs"] and mesh_suite.passed(rank)
     rank["graphs"][next(iter(rank["graphs"]))] = False
     assert not mesh_suite.passed(rank)
@@ -69,10 +72,9 @@ def test_a_failed_graph_replay_fails_the_rank():
 def test_a_suite_mesh_folder_is_named_by_its_run_and_later_runs_replace_earlier_rows():
     """Runs 19 and 20 wrote their reports under runN/mesh; run 19's tiny 1x2 SP
     (fp32 and bf16) replaces run 17's (fp32 only) in the table."""
-    assert mesh_suite.run_name("results/2026-12-03-h200/run20/mesh/") == "run20/mesh"
+    assert mesh_suite.run_name(f"{RUNS}/run20/mesh/") == "run20/mesh"
     assert mesh_suite.run_name(RUN9) == "run9"
-    runs = ["results/2026-12-03-h200/run17", "results/2026-12-03-h200/run19/mesh",
-            "results/2026-12-03-h200/run20/mesh"]
+    runs = [f"{RUNS}/run17", f"{RUNS}/run19/mesh", f"{RUNS}/run20/mesh"]
     lines = mesh_suite.markdown_table(runs).splitlines()
     row = next(line for line in lines if line.startswith("| tiny_2x4 | fp32 |"))
     assert "| 8/8 | 2.2e-08 | 2.7e-07 | - | bit-exact | as planned | run20/mesh (20b74c5) |" in row
@@ -85,7 +87,7 @@ def test_a_suite_mesh_folder_is_named_by_its_run_and_later_runs_replace_earlier_
 
 def test_a_job_cut_before_all_its_dtypes_ran_fails():
     """Run 20's tiny 2x4 SP: its fp32 case passed on every rank, its bf16 case never ran."""
-    report = json.load(open("results/2026-12-03-h200/run20/mesh/tiny_2x4_sp.json"))
+    report = json.load(open(f"{RUNS}/run20/mesh/tiny_2x4_sp.json"))
     summary = mesh_suite.summarize(report)
     assert summary["cases"]["fp32"]["ranks_ok"] == 8 and summary["missing"] == ["bf16"]
     assert summary["cases"]["fp32"]["seconds"] == {}        # reports before this session carry no times
@@ -111,8 +113,8 @@ def test_reports_are_judged_by_the_plan_of_the_fusions_they_ran():
     """A 2x1 run with the unit-axis splits (run 17: all-reduces over a team of
     one posted) and one without (run 28: none) both pass, each by its own
     plan; judged by the other's, each would fail."""
-    with_splits = json.load(open("results/2026-12-03-h200/run17/tiny_2x1_sp.json"))
-    without = json.load(open("results/2026-12-03-h200/run28/nounit_tiny_2x1.json"))
+    with_splits = json.load(open(f"{RUNS}/run17/tiny_2x1_sp.json"))
+    without = json.load(open(f"{RUNS}/run28/nounit_tiny_2x1.json"))
     assert "split_unit_axes" not in with_splits and without["split_unit_axes"] is False
     assert mesh_suite.summarize(with_splits)["ok"] and mesh_suite.summarize(without)["ok"]
     assert not mesh_suite.summarize({**with_splits, "split_unit_axes": False})["ok"]

@@ -38,6 +38,21 @@ def test_state_dict_keys_are_nanogpt_param_names_in_order():
     assert list(Block(preset("tiny")).state_dict()) == list(PARAM_NAMES)
 
 
+def test_the_oracles_own_parameter_table_is_the_fusions():
+    """The oracle writes nanoGPT's names and shapes out itself (it imports nothing
+    of the package): they must be tensors.py's, the fusion's inputs' order."""
+    from tpfuser.block import tensors
+    from tpfuser.config import PRESETS
+    from tpfuser.verify import reference
+    assert reference.PARAM_NAMES == tensors.PARAM_NAMES
+    for name in PRESETS:
+        cfg = preset(name)
+        assert reference.param_shapes(cfg) == tensors.param_shapes(cfg)
+        assert tuple(reference.param_shapes(cfg)) == reference.PARAM_NAMES
+    tiny = preset("tiny")
+    assert {k: tuple(v.shape) for k, v in Block(tiny).state_dict().items()} == reference.param_shapes(tiny)
+
+
 def test_loads_a_nanogpt_state_dict_as_is():
     cfg = preset("tiny")
     src = make_block(cfg, seed=3)

@@ -1,5 +1,6 @@
-"""tools/replay_probe.py (run 27's bf16 graph tests): the suite runs every
-suspect the probe knows, and a name it does not know is refused (CPU)."""
+"""tools/probes/replay_probe.py (the bf16 graph tests that failed on the H200,
+2026-12-03): the suite runs every suspect the probe knows, and a name it does
+not know is refused (CPU)."""
 import os
 import re
 import sys
@@ -7,7 +8,7 @@ import sys
 import pytest
 
 TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
-sys.path.insert(0, TOOLS)
+sys.path.insert(0, os.path.join(TOOLS, "probes"))
 import replay_probe  # noqa: E402
 
 

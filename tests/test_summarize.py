@@ -1,11 +1,12 @@
-"""tools/summarize.py, the suite's last table, on what run 20 and run 21 wrote (CPU)."""
+"""tools/summarize.py, the suite's last table, on what runs 18, 20 and 21 wrote
+(copies in tests/data; tests/data/README.md) (CPU)."""
 import json
 import os
 import shutil
 import subprocess
 import sys
 
-RUNS = "results/2026-12-03-h200"
+RUNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "2026-12-03-h200")
 
 
 def _summarize(folder):

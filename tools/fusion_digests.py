@@ -1,7 +1,7 @@
 """A digest of every fusion's printed math, to show that a change of the code
 around the fusions leaves them as they were (no GPU needed).
 
-    python3 tools/fusion_digests.py > digests.json ; python3 tools/fusion_digests.py --check results/fusion_digests.json
+    python3 tools/fusion_digests.py > digests.json ; python3 tools/fusion_digests.py --check tests/data/golden/fusion_digests.json
     python3 tools/fusion_digests.py --schedules megatron-whole,megatron-sp-whole   # another family of schedules
 
 For every preset, dtype, forward (inference, checking, training) and backward,

@@ -19,11 +19,11 @@
 #           ranks sharing the GPU (correctness and the communications posted; not speed); bound OVERLAP_S
 #   onehead the one-head-per-rank probe (tools/repro_one_head.py, every form) at tp 2 with 2 and 4
 #           heads and at tp 8 with 8, side by side, ranks sharing the GPU; bound ONEHEAD_S
-#   replay  tools/replay_probe.py: bf16 train-step replays against the called block before and after
+#   replay  tools/probes/replay_probe.py: bf16 train-step replays against the called block before and after
 #           each suspect (REPLAY_SUSPECTS), each in its own process, side by side (run 27's two
 #           failing graph tests, run 30's; the block with the unit-axis splits); bound REPLAY_S,
 #           REPLAY_ARGS=--after-only: no trial before the suspect
-#   copies  tools/copy_probe.py: which op (and which line of ours) launches each copy kernel of
+#   copies  tools/probes/copy_probe.py: which op (and which line of ours) launches each copy kernel of
 #           nanogpt's bf16 training step (run 29: 5, 0.057 ms a step; run 31: 0); bound COPIES_S
 #   graphs  CUDA graphs: tests/test_gpu_graphs.py at 1x1, and `check --graphs` at 1x2 and 2x2
 #           (replays against the called block, bit for bit), side by side; bound GRAPHS_S
@@ -149,14 +149,14 @@ step_replay() {
   echo "== bf16 train-step replays against the called block, before and after each suspect, each in its own process"
   local suspects=${REPLAY_SUSPECTS:-nothing check_forward reference reference_without_eager called_block manual_seed unsplit_check}
   for suspect in $suspects; do
-    T ${REPLAY_S:-480} -- python3 tools/replay_probe.py $suspect ${REPLAY_ARGS:-} > "$OUT/replay_$suspect.txt" 2>&1 &
+    T ${REPLAY_S:-480} -- python3 tools/probes/replay_probe.py $suspect ${REPLAY_ARGS:-} > "$OUT/replay_$suspect.txt" 2>&1 &
   done
   wait
   for suspect in $suspects; do grep -h -E "^replay_probe|Error" "$OUT/replay_$suspect.txt" | tail -2 | cut -c1-300; done
 }
 step_copies() {
   echo "== copy kernels of the training step, by the op and our line that launched them"
-  T ${COPIES_S:-240} -- python3 tools/copy_probe.py --preset nanogpt --dtype bf16 2>&1 | tee "$OUT/copies.txt" | grep -v "^\[" | tail -30
+  T ${COPIES_S:-240} -- python3 tools/probes/copy_probe.py --preset nanogpt --dtype bf16 2>&1 | tee "$OUT/copies.txt" | grep -v "^\[" | tail -30
 }
 step_gpt3() {
   echo "== benchmark: gpt3 forward at 1x1 (fewer samples: ~11 ms a call)"

@@ -33,9 +33,9 @@ JOBS = {
     "nanogpt": [("nanogpt", 1, 5, False, ["fp32", "bf16"]), ("nanogpt", 2, 1, False, ["fp32", "bf16"])],
     "gpt3": [("gpt3", 1, 8, False, ["bf16"]), ("gpt3", 1, 8, True, ["bf16"])],
 }
-# Each rank compiles its own fusions (nvFuser's compile is CPU-bound): run 11 put 57
-# ranks on the H200 machine's 16 cores at once and none finished in 280 s; run 9,
-# 24 at once, finished 2-rank tiny jobs in 270-350 s.
+# Each rank compiles its own fusions (nvFuser's compile is CPU-bound): on the H200
+# machine's 16 cores (2026-12-03; NOTES-history.md), 57 ranks at once finished none in
+# 280 s; 24 at once finished 2-rank tiny jobs in 270-350 s.
 RANKS_AT_ONCE = int(os.environ.get("RANKS_AT_ONCE", str(os.cpu_count() or 8)))
 JOB_S = int(os.environ.get("JOB_S", "480"))
 DEADLINE_S = int(os.environ.get("DEADLINE_S", "100000"))
@@ -130,7 +130,7 @@ def recompared(rank: dict, split_unit_axes: bool = True) -> dict | None:
     """The rank's stored posted collectives compared with today's plan (a report
     written before a plan's fix is judged by the fixed plan, not its own verdict)
     for the fusions the report ran: split over a mesh axis of one device or not
-    (its split_unit_axes; reports without the key, before run 28, ran split)."""
+    (its split_unit_axes; reports without the key, written before it existed, ran split)."""
     from tpfuser.parallel.schedules import SCHEDULES
     from tpfuser.verify.check import compare_with_plan
     if not rank.get("collectives"):
@@ -157,7 +157,7 @@ def summarize(report: dict) -> dict:
     collectives; `missing`, the dtypes asked for that never ran (a job ended at
     its time bound), which fail the job."""
     ran = {case["dtype"] for case in report["cases"]}
-    unit = report.get("split_unit_axes", True)   # absent: a report from before run 28, which ran split
+    unit = report.get("split_unit_axes", True)   # absent: a report from before the key, which ran split
     missing = [cfg["dtype"] for cfg in report.get("config", []) if cfg["dtype"] not in ran]
     out = {"ok": not missing and all(passed(r, unit) for case in report["cases"] for r in case["ranks"]),
            "environment": report["environment"], "cases": {}, "missing": missing}

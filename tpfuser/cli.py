@@ -13,13 +13,31 @@ Every refusal is one line on stderr and exit status 2, before any work.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
 
-from tpfuser.config import PRESETS, Layout, preset
+import torch
+
+from tpfuser.bench.cli import add_bench_arguments, bench_main
+from tpfuser.config import PRESETS, preset
+from tpfuser.dist.launch import Ended, arm_stack_dumps, check_shared_gpu_fits, relaunch
+from tpfuser.dist.world import check_launch, in_launcher
 from tpfuser.outputs import ArgParser, check_writable, write_json
-from tpfuser.parallel.schedules import SCHEDULES, load_schedule
+from tpfuser.parallel.overlap_model import (BUSBW_GBPS, TFLOPS, check_chunks, check_rates, format_overlap,
+                                            overlap_model)
+from tpfuser.parallel.report import format_plan, plan_report
+from tpfuser.parallel.schedule_options import resolve_schedule, schedule_args
+from tpfuser.parallel.schedules import known_failure
+from tpfuser.predict.command import add_predict_arguments, check_predict_arguments, predict_command
+from tpfuser.verify.meshes import run_checks
+
+# Deferred to the commands that run fusions: tpfuser.parallel.schedule and
+# tpfuser.verify.inspect (show, main), tpfuser.runtime.chunked (check). They
+# import nvFuser, which `plan` and every refusal must not: under a launcher
+# without CUDA its import aborts the process at exit, and check's
+# --collectives sets NVFUSER_DUMP first (nvFuser reads its options once).
 
 NO_GPU = "no CUDA device here: running the fusions needs a CUDA GPU (show and plan work without one)"
 
@@ -34,42 +52,7 @@ def _block_args(p: argparse.ArgumentParser, several_dtypes: bool = False) -> Non
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--sp", action="store_true", help="sequence parallelism over the tp axis "
                    "(the default schedule becomes megatron-sp)")
-    _schedule_args(p)
-
-
-def _schedule_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--schedule", default=None, metavar="NAME",
-                   help=f"a named schedule: {', '.join(SCHEDULES)} (default: megatron, or megatron-sp with --sp)")
-    p.add_argument("--schedule-file", default=None, metavar="FILE", help="a schedule as JSON (README: Schedules)")
-    p.add_argument("--chunks", type=int, default=None, metavar="N",
-                   help="stream chunks for every linear the schedule chunks (overrides its count)")
-
-
-def resolve_schedule(args):
-    """The schedule the options name (at most one of --schedule, --schedule-file),
-    and --sp and --chunks applied to it; refused in one line where they disagree."""
-    if args.schedule and args.schedule_file:
-        raise ValueError("--schedule and --schedule-file: give one of them")
-    spec = args.schedule or args.schedule_file or ("megatron-sp" if getattr(args, "sp", False) else "megatron")
-    if args.schedule_file:
-        check_readable(args.schedule_file, "--schedule-file")
-    schedule = load_schedule(spec)
-    if getattr(args, "sp", False) and not schedule.sequence_parallel:
-        raise ValueError(f"--sp with --schedule {schedule.name!r}, which is not sequence-parallel: "
-                         f"drop --sp or name a sequence-parallel schedule (megatron-sp)")
-    if args.chunks is not None:
-        if not schedule.chunked():
-            raise ValueError(f"--chunks={args.chunks}: schedule {schedule.name!r} chunks no linear "
-                             f"(an overlapped schedule does: megatron-overlap, megatron-sp-overlap)")
-        linears = {name: plan.__class__(**{**plan.__dict__, "chunks": args.chunks}) if plan.chunks > 1 else plan
-                   for name, plan in schedule.linears.items()}
-        schedule = schedule.replace(name=f"{schedule.name}/{args.chunks}", linears=linears)
-    return schedule
-
-
-def check_readable(path: str, option: str) -> None:
-    if not os.path.isfile(path):
-        raise ValueError(f"{option}={path!r}: not a file")
+    schedule_args(p)
 
 
 def _cfg(args):
@@ -99,22 +82,17 @@ def preflight(args) -> None:
     """What can be refused before any work is: the block, layout and schedule,
     output paths, a launch that contradicts itself or the mesh, a launch
     without CUDA (world.check_launch), `check` without a GPU."""
-    from tpfuser.dist.world import check_launch
     cfgs, layout, schedule = _check_cfgs(args)
     if args.command == "plan":
-        from tpfuser.parallel.overlap_model import check_rates
         check_rates(args.bandwidth, args.tflops, given=args.predict or args.overlap is not None)
         if args.overlap is not None:
-            from tpfuser.parallel.overlap_model import check_chunks
             check_chunks(cfgs[0], layout, args.overlap)
         if args.predict:
-            from tpfuser.predict.command import check_predict_arguments
             check_predict_arguments(cfgs[0], layout, schedule, args)
     for option in ("json", "png"):
         check_writable(getattr(args, option, None), f"--{option}")
     check_launch(layout if _RUNS_RANKS[args.command] else None, nvfuser=_IMPORTS_NVFUSER[args.command])
     if _RUNS_RANKS[args.command]:
-        from tpfuser.parallel.schedules import known_failure
         refused = known_failure(cfgs[0], layout, schedule)
         if refused:
             raise ValueError(refused)
@@ -139,25 +117,23 @@ def cmd_show(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from tpfuser.parallel.report import format_plan, plan_report
     cfg, layout, schedule = _cfg(args)
+    out = sys.stderr if args.json == "-" else sys.stdout   # `--json -`: the JSON alone on standard output
     rep = plan_report(cfg, layout, args.preset, schedule)
-    print(format_plan(rep))
+    print(format_plan(rep), file=out)
     if args.overlap is not None:
-        from tpfuser.parallel.overlap_model import format_overlap, overlap_model
         rep["overlap"] = overlap_model(cfg, layout, args.overlap, args.bandwidth, args.tflops)
-        print()
-        print(format_overlap(rep["overlap"]))
+        print(file=out)
+        print(format_overlap(rep["overlap"]), file=out)
     if args.predict:
-        from tpfuser.predict.command import predict_command
-        rep["prediction"] = predict_command(cfg, layout, schedule, args)
+        with contextlib.redirect_stdout(out):
+            rep["prediction"] = predict_command(cfg, layout, schedule, args)
     if args.json is not None:
         write_json(args.json, rep)
     return 0
 
 
 def _cuda_count() -> int:
-    import torch
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -166,18 +142,13 @@ def cmd_check(args) -> int:
     args.schedule = schedule
     if args.collectives:   # before nvFuser is imported: it reads its options once
         os.environ["NVFUSER_DUMP"] = ",".join(filter(None, [os.environ.get("NVFUSER_DUMP"), "communication"]))
-    from tpfuser.dist.launch import relaunch
-    from tpfuser.dist.world import in_launcher
     if layout.world_size > 1 and not in_launcher():
         if args.share_gpu:
-            import torch
-            from tpfuser.dist.launch import check_shared_gpu_fits
             for cfg in cfgs:
                 check_shared_gpu_fits(cfg, layout, torch.cuda.mem_get_info(0)[0])
         return relaunch(layout, share_gpu=args.share_gpu, schedule=schedule)
     from tpfuser.runtime.chunked import check_connections
     check_connections(schedule)
-    from tpfuser.verify.meshes import run_checks
     return run_checks(cfgs, layout, args)
 
 
@@ -191,7 +162,6 @@ def cmd_main(args) -> int:
         args.forward_only, args.collectives, args.share_gpu, args.json = False, False, False, None
         args.graphs = False
         return cmd_check(args)
-    from tpfuser.parallel.report import format_plan, plan_report
     from tpfuser.parallel.schedule import build_forward
     from tpfuser.verify.inspect import pass_summary
     print(f"{args.preset}: one GPT-2 block, batch {cfg.batch}, seq {cfg.seq}, n_embd {cfg.n_embd}, {cfg.n_head} heads "
@@ -222,7 +192,6 @@ def _parser(argv) -> ArgParser:
             p.add_argument("--host-ir", action="store_true",
                            help="the host IR nvFuser lowers a stream-chunked linear to (overlap 'streams')")
         if name == "plan":
-            from tpfuser.parallel.overlap_model import BUSBW_GBPS, TFLOPS
             p.add_argument("--json", default=None, help="also write the plan as JSON here (- for standard output)")
             p.add_argument("--overlap", type=int, default=None, metavar="N",
                            help="also the forward-only overlap model with every collective in N chunks")
@@ -230,7 +199,6 @@ def _parser(argv) -> ArgParser:
                            help=f"bus bandwidth for --overlap, GB/s (default {BUSBW_GBPS:.0f}, assumed)")
             p.add_argument("--tflops", type=float, default=None,
                            help=f"matmul rate for --overlap, TFLOP/s (default {TFLOPS:.0f}, measured on an H200)")
-            from tpfuser.predict.command import add_predict_arguments
             add_predict_arguments(p)
         if name == "check":
             p.add_argument("--forward-only", action="store_true", help="skip the training forward and backward")
@@ -243,19 +211,16 @@ def _parser(argv) -> ArgParser:
                            help="also replay the forward and the training step from CUDA graphs and compare "
                                 "them with the called block, bit for bit")
             p.add_argument("--json", default=None, help="also write every rank's results here (rank 0 writes)")
-    from tpfuser.bench.cli import add_bench_arguments, bench_main
     p = sub.add_parser("bench", help="benchmark against the peers, called and replayed from CUDA graphs")
     add_bench_arguments(p)
-    _schedule_args(p)
+    schedule_args(p)
     p.set_defaults(fn=lambda args: bench_main(args, argv[1:]))
     return parser
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    from tpfuser.dist.launch import arm_stack_dumps
     arm_stack_dumps()   # where this process (a rank) is: kill -USR1, or before its run's bound
-    from tpfuser.dist.launch import Ended
     parser = _parser(argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown:   # named by the command they were given to
@@ -274,6 +239,9 @@ def main(argv=None) -> int:
     except Ended as e:
         print(e.line, file=sys.stderr)
         return 128 + e.signum
+    except BrokenPipeError:   # `tpfuser plan | head`: the reader left; no traceback at exit either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

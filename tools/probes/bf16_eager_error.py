@@ -5,7 +5,7 @@ Attention as a user's eager block runs it, through scaled_dot_product_attention
 check's eager run replays flash attention. With nanoGPT's bf16 math attention
 (scores and softmax in bf16; --math) gpt3 is twice as far: 1.9e-2 against 9.4e-3.
 
-    python3 tools/bf16_eager_error.py [--math] tiny nanogpt gpt3
+    python3 tools/probes/bf16_eager_error.py [--math] tiny nanogpt gpt3
 
 Both runs see the same bf16-rounded weights and input (as check.reference
 does); prints the output's relative L2 error, the branch's (out - x) and how

@@ -7,7 +7,7 @@ flash attention holds them) and flash attention's backward making its output
 contiguous in its own layout again. Since aef3010 the block keeps all four in
 flash attention's layout, and the probe's first run (run 31) found none.
 
-    python3 tools/copy_probe.py [--preset nanogpt] [--dtype bf16]   (on a GPU; a minute or two)
+    python3 tools/probes/copy_probe.py [--preset nanogpt] [--dtype bf16]   (on a GPU; a minute or two)
 
 Profiles one called training step (forward_train, then backward; the kernels a
 CUDA graph of it replays) with shapes and Python stacks, and prints, for every

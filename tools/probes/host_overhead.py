@@ -1,7 +1,7 @@
 """Our own host time per call: ShardedBlock's Python around nvFuser, with the
 fusions' execute faked (no GPU needed; nvFuser's own host time is not in it).
 
-    python3 tools/host_overhead.py [--preset tiny] [--calls 2000] [--profile]
+    python3 tools/probes/host_overhead.py [--preset tiny] [--calls 2000] [--profile]
 
 Prints microseconds per forward call and per training step (forward_train and
 backward) with dropout on, fp32 (bf16's flash-attention generator calls need a

@@ -6,7 +6,7 @@ after writing a new key into the static key tensor: each replay's mask must
 be the new key's.
 
     torchrun --standalone --nproc-per-node 2 --no-python .nvf/share_gpu.sh \
-        python3 tools/probe_device_keys.py [0d|1d]
+        python3 tools/probes/probe_device_keys.py [0d|1d]
 """
 import os
 import sys

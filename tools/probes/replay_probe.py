@@ -9,7 +9,7 @@ splits, right after the same check without them (test_gpu.py), which passed.
 So the trial's block has the splits (split_unit_axes=True), and suspect
 `unsplit_check` is run 30's predecessor.
 
-    python3 tools/replay_probe.py SUSPECT [--after-only]   (on a GPU; a few minutes; SUSPECTS below)
+    python3 tools/probes/replay_probe.py SUSPECT [--after-only]   (on a GPU; a few minutes; SUSPECTS below)
 
 In a fresh process: the trial (test_train_step_replay_equals_the_called_block's
 steps on a block with the unit-axis splits: a block called, then its train

@@ -6,13 +6,25 @@ from __future__ import annotations
 import os
 import sys
 
-from tpfuser.config import Layout, preset
-from tpfuser.outputs import ArgParser, check_writable, write_json
+from tpfuser.bench.impls import IMPLS, check_impls
+from tpfuser.bench.plot import plot_reports
+from tpfuser.bench.report import format_table, validate_report
+from tpfuser.bench.run import bench
+from tpfuser.bench.startup import format_startup, run_startup
+from tpfuser.config import preset
+from tpfuser.dist.launch import relaunch
+from tpfuser.dist.sharegpu import SHARED_GPU_MARK
+from tpfuser.dist.world import check_launch, in_launcher, init_rank, rank_groups
+from tpfuser.outputs import check_writable, write_json
+from tpfuser.parallel.schedule_options import resolve_schedule
+from tpfuser.parallel.schedules import known_failure
+from tpfuser.verify.meshes import environment
+# None of these imports nvFuser (bench.impls imports the runtime where a block
+# is made): bench's options and refusals come before any nvFuser import.
 
 
 def add_bench_arguments(ap) -> None:
     """bench's options, on its own parser (python -m tpfuser.bench) or tpfuser's subparser."""
-    from tpfuser.bench.impls import IMPLS
     ap.add_argument("--preset", default="nanogpt")
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--tp", type=int, default=1)
@@ -39,21 +51,8 @@ def bench_command(argv: list[str]) -> str:
     return "tpfuser " + " ".join(argv[1:])
 
 
-def main(argv=None) -> int:
-    """`python3 -m tpfuser.bench`: as `tpfuser bench`, its signals handled as the command line's."""
-    from tpfuser.cli import _schedule_args, main as cli_main
-    argv = sys.argv[1:] if argv is None else argv
-    ap = ArgParser(prog="tpfuser bench")
-    add_bench_arguments(ap)
-    _schedule_args(ap)
-    ap.parse_args(argv)   # its refusals named as bench's
-    return cli_main(["bench", *argv])
-
-
 def bench_main(args, argv) -> int:
     """The benchmark of parsed options; argv, bench's own, is what ranks relaunch with."""
-    from tpfuser.bench.impls import check_impls
-    from tpfuser.cli import resolve_schedule
     rank, groups = 0, None
     impls = args.impl.split(",") if args.impl else None
     try:
@@ -65,26 +64,20 @@ def bench_main(args, argv) -> int:
         cfg = preset(args.preset, dtype="bf16", **({} if args.dropout is None else {"dropout": args.dropout}))
         layout.check(cfg)
         schedule.check(cfg, layout)
-        from tpfuser.parallel.schedules import known_failure
         if known_failure(cfg, layout, schedule):
             raise ValueError(known_failure(cfg, layout, schedule))
         check_impls(impls or (), layout, args.train)
         check_writable(args.json, "--json")
         check_writable(args.png, "--png")
         if args.startup:
-            from tpfuser.bench.startup import run_startup
             rep = run_startup(args.preset, cfg, layout, schedule, impls, train=args.train)
             return _report(rep, args, startup=True)
-        from tpfuser.dist.world import check_launch, in_launcher
         check_launch(layout)
         if layout.world_size > 1:
-            from tpfuser.dist.launch import relaunch
-            from tpfuser.dist.world import init_rank, rank_groups
             if not in_launcher():   # one rank per GPU under torchrun, or a clear refusal
                 return relaunch(layout, ["bench", *argv], share_gpu=args.share_gpu, schedule=schedule)
             rank = init_rank(layout)
             groups = rank_groups(layout, rank)
-        from tpfuser.bench.run import bench
         rep = bench(args.preset, impls, args.iters, dropout=args.dropout, train=args.train, layout=layout,
                     rank=rank, groups=groups, progress=rank == 0, profile=args.profile, schedule=schedule)
     except (ValueError, RuntimeError) as e:
@@ -96,21 +89,16 @@ def bench_main(args, argv) -> int:
 
 
 def _report(rep: dict, args, startup: bool = False) -> int:
-    from tpfuser.dist.sharegpu import SHARED_GPU_MARK
-    from tpfuser.verify.meshes import environment
     rep["gpus_shared"] = int(os.environ.get(SHARED_GPU_MARK, "0"))   # > 0: timings are not speed figures
     rep["environment"] = environment(bench_command(sys.argv), rep.get("schedule"))   # date, versions, command, commit
     if startup:
-        from tpfuser.bench.startup import format_startup
         text = format_startup(rep)
     else:
-        from tpfuser.bench.report import format_table, validate_report
         validate_report(rep)
         text = format_table(rep)
     if args.json:
         write_json(args.json, rep)
     if args.png and not startup:
-        from tpfuser.bench.plot import plot_reports
         plot_reports([rep], args.png)
     print(text, file=sys.stderr if args.json == "-" else sys.stdout)   # the JSON alone on standard output
     return 0

@@ -6,19 +6,22 @@ reference block's weights."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import torch
 import torch.nn.functional as F
 
 from tpfuser.bench.measure import failure, saved_activation_bytes
+from tpfuser.bench.peers import dtensor_block
 from tpfuser.bench.report import WORK_ONLY
 from tpfuser.config import Layout
 from tpfuser.dist.world import sum_over_group
 from tpfuser.verify.reference import sdpa_forward
-# The runtime (tpfuser.runtime: nvFuser) is imported where a block is made, not
-# here: bench's options and refusals (bench/cli.py) come before any nvFuser
-# import, which would abort the process at exit under a launcher without CUDA.
+# Deferred: the runtime (tpfuser.runtime.block, .graphs, .module: nvFuser) is
+# imported where a block is made, not here: bench's options and refusals
+# (bench/cli.py) come before any nvFuser import, which would abort the process
+# at exit under a launcher without CUDA.
 
 
 # WORK_ONLY (benchreport): not implementations of the block but parts of its
@@ -112,7 +115,6 @@ def forward_fns(cfg, ref, x, impls, layout, rank, groups, schedule):
     if "compile-reduce-overhead" in impls:
         fns["compile-reduce-overhead"] = _reduce_overhead(ref, x, cfg.dropout)
     if "dtensor" in impls:
-        from tpfuser.bench.peers import dtensor_block
         block = dtensor_block(ref, groups.tp_mesh)
         fns["dtensor"] = lambda: sdpa_forward(block, x, cfg.dropout, heads_interleaved=True)
     for impl in WORK_ONLY:
@@ -184,7 +186,6 @@ def train_fns(cfg, ref, x, impls, layout, rank, groups, schedule):
     if "compile-reduce-overhead" in impls:
         forwards["compile-reduce-overhead"] = (_reduce_overhead(ref, x, cfg.dropout), params, True)
     if "dtensor" in impls:
-        from tpfuser.bench.peers import dtensor_block
         block = dtensor_block(ref, groups.tp_mesh)
         forwards["dtensor"] = (lambda: sdpa_forward(block, x, cfg.dropout, heads_interleaved=True), list(block.parameters()), True)
     for impl, (fwd, ps, sum_dp) in forwards.items():
@@ -255,7 +256,6 @@ def _graphed_train_fns(cfg, ref, x, grad, impls, layout, rank, groups, schedule)
             out[impl] = (lambda graphed=graphed, steps=_step_offsets(): graphed(x.detach(), grad, 1234, next(steps)),
                          lambda graphed=graphed: graphed.pool_bytes)
     if "eager-graph" in impls:
-        import copy
         own = copy.deepcopy(ref)   # its gradients stay the graph's: the other steps set theirs to None
         params = list(own.parameters())
         x_own = x.detach().clone().requires_grad_(True)   # the input's gradient too, as the others

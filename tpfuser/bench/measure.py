@@ -8,7 +8,9 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 from tpfuser.parallel.placements import backward_collectives, collectives
 from tpfuser.verify.commlog import error_line
@@ -95,7 +97,6 @@ def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
 def allreduce_busbw(nbytes: int, group, team: int, reps: int = 20) -> float:
     """All-reduce bus bandwidth over `group`, bytes/s: a ring all-reduce sends
     2 (n-1)/n of the tensor per rank, so time = that / bandwidth (nccl-tests' busbw)."""
-    import torch.distributed as dist
     t = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     for _ in range(3):
         dist.all_reduce(t, group=group)
@@ -147,7 +148,6 @@ def kernel_summary(kernels: list[tuple], calls: int, median_ms: float, top: int 
 def profile_kernels(fn, calls: int) -> list[tuple[str, float, float]]:
     """(name, microseconds, start microseconds) of the GPU activities (kernels,
     copies, fills) of `calls` calls of fn (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):

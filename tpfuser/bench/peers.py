@@ -19,6 +19,9 @@ from tpfuser.parallel.placements import PARAM_PLACEMENTS
 from tpfuser.verify.reference import Block
 from tpfuser.parallel.shard import qkv_blocked, qkv_heads_interleaved
 
+# Deferred: torch.distributed.tensor.parallel (DTensor's machinery, about 0.4 s to
+# import), in dtensor_block: only the dtensor peer (tp > 1) needs it.
+
 # DTensor's names for the plan's linears: a weight split on its output rows is
 # column-parallel, one split on its input columns row-parallel (plan.PARAM_PLACEMENTS).
 TP_PLAN_NAMES = {name.removesuffix(".weight"): {0: "colwise", 1: "rowwise"}[dim]

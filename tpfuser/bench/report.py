@@ -16,19 +16,26 @@ RESULT_KEYS = {"median_ms": float, "min_ms": float, "max_ms": float, "runs": int
 
 def validate_report(rep: dict) -> dict:
     """Check a bench report's schema (the JSON the plot and the README read); return it."""
-    def check(obj, keys, where):
+    def check(obj, keys, where, what="an object"):
+        if not isinstance(obj, dict):
+            raise ValueError(f"{where}: expected {what}, got {type(obj).__name__}")
         for key, kind in keys.items():
             if key not in obj:
                 raise ValueError(f"{where}: missing key {key!r}")
-            if not isinstance(obj[key], kind) and not (kind is float and isinstance(obj[key], int)):
-                raise ValueError(f"{where}.{key}: expected {kind.__name__}, got {type(obj[key]).__name__}")
+            value = obj[key]
+            if kind in (int, float):   # an int is a float's value; JSON's true is neither
+                ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+            else:
+                ok = isinstance(value, kind)
+            if not ok:
+                raise ValueError(f"{where}.{key}: expected {kind.__name__}, got {type(value).__name__}")
     if "forward_matmul_gflop" in rep:   # the key's name in reports before 2026-12-02's last run
         rep.setdefault("matmul_gflop", rep["forward_matmul_gflop"])
     check(rep, REPORT_KEYS, "report")
     if not rep["results"]:
         raise ValueError("report.results: no implementation")
     for name, row in rep["results"].items():
-        check(row, RESULT_KEYS, f"report.results[{name!r}]")
+        check(row, RESULT_KEYS, f"report.results[{name!r}]", "an object of timings")
         if not row["min_ms"] <= row["median_ms"] <= row["max_ms"]:
             raise ValueError(f"report.results[{name!r}]: expected min <= median <= max")
     return rep

@@ -27,6 +27,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 from tpfuser.bench.impls import check_impls, default_impls, forward_fns, train_fns
 from tpfuser.bench.measure import (CALLS_PER_SAMPLE, allreduce_busbw, comm_floor_ms, copy_bandwidth, failure,
@@ -45,7 +46,6 @@ def _slowest_rank(times: dict[str, list[float]], world: int) -> dict[str, list[f
     rank is left out."""
     if world == 1:
         return times
-    import torch.distributed as dist
     every: list = [None] * world
     dist.all_gather_object(every, times)
     return {name: [max(rank[name][i] for rank in every) for i in range(len(times[name]))]

@@ -71,7 +71,6 @@ class Pieces:
         self.values: list[set[str]] = []     # per fusion, the kept values (keep) it read by name
         self.points: list[str] = []          # every cut point the pass went through, cut or not
         self.pieces: list[Piece] = []
-        self._closing_last = False
         self._open("")
 
     # -- what a definition calls ----------------------------------------
@@ -144,7 +143,6 @@ class Pieces:
     def finish(self) -> list[Piece]:
         """End the last fusion; the pass's fusions in order. A cut asked for
         that the pass does not have is refused, naming the ones it has."""
-        self._closing_last = True
         self._close()
         unknown = sorted(self.cuts - set(self.points))
         if unknown:
@@ -174,8 +172,7 @@ class Pieces:
         piece = self.pieces[-1]
         index = len(self.pieces) - 1
         for name, tv in piece.kept.items():
-            later = self._values is None or any(name in read for read in self._values[index + 1:])
-            if later and not self._closing_last:
+            if self._values is None or any(name in read for read in self._values[index + 1:]):
                 self.output(name, tv)
         made = list(piece.outputs)   # the order they were named in
         piece.outputs = {name: piece.outputs[name]

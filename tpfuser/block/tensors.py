@@ -190,7 +190,8 @@ def memory_order(t: Tensor, cfg: BlockConfig) -> tuple[int, ...] | None:
     under cfg; None: in the order of t.dims (contiguous). Flash attention (bf16)
     reads q, k, v and writes its output with the heads inside the sequence, so
     the forward writes them that way and the backward reads them that way:
-    ATen copies none of them on either side (the copies run 29 found, NOTES.md)."""
+    ATen copies none of them on either side (the five strided copies a nanogpt
+    bf16 training step made before, profiled on the H200, 2026-12-03; docs/history.md)."""
     if t.flash_layout and cfg.dtype == "bf16":
         return tuple(t.dims.index(dim) for dim in FLASH_MEMORY)
     return None

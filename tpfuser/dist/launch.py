@@ -6,6 +6,8 @@ memory. A rank's own place in the world is world.py's.
 
 from __future__ import annotations
 
+import ctypes
+import faulthandler
 import math
 import os
 import signal
@@ -14,8 +16,18 @@ import sys
 import threading
 import time
 
+import torch
+
+from tpfuser.block.tensors import param_shapes
 from tpfuser.config import Layout
+from tpfuser.dist import procs
+from tpfuser.dist.sharegpu import SHARED_GPU_MARK, SHIM_VARIABLE, build_default_stream_shim
 from tpfuser.dist.world import SINGLE_PROCESS_MARK
+from tpfuser.parallel.placements import PARAM_PLACEMENTS, local_shape, saved_bytes_per_rank
+
+# Deferred: tpfuser.runtime.chunked (relaunch, for a chunked schedule's
+# CONNECTIONS_VAR), a layer above this one that imports nvFuser, which the
+# launcher process (`check`, `bench` over ranks) runs none of.
 
 # A rank that dies leaves the others waiting in a collective; NCCL's watchdog
 # and torchrun bound that. This is the bound we ask of the whole run, read
@@ -43,12 +55,12 @@ def arm_stack_dumps() -> None:
     every thread's Python stack to stderr (`kill -USR1 PID`), and a rank of a
     run_bounded run (RANK and STACKS_AT_VAR set) prints them by itself then
     (faulthandler's watchdog thread: no signal, which a library may have taken)."""
-    import faulthandler
     global _STACKS_FD
     if _STACKS_FD is None:
         try:   # the process's own stderr (not a replacement without a descriptor: pytest's), duplicated:
             # commlog.captured_communications points descriptor 2 at a file while nvFuser runs, and
-            # a rank ended there would leave its stacks in that file (runs 35 and 37 printed none)
+            # a rank ended there would leave its stacks in that file (two runs on the H200, 2026-12-04,
+            # printed none; docs/history.md)
             _STACKS_FD = os.dup(sys.__stderr__.fileno())
         except (AttributeError, OSError, ValueError):   # no stderr to write to: nothing to arm
             return
@@ -66,7 +78,6 @@ def torchrun_command(layout: Layout, argv: list[str], environ: dict[str, str],
     """The command and environment that re-run `tpfuser argv` under torchrun on this node.
     The world of one this process may have described (world.py) is dropped.
     shared_gpus > 0: the ranks share that many GPUs (tpfuser.dist.sharegpu sets each rank up)."""
-    from tpfuser.dist.sharegpu import SHARED_GPU_MARK
     env = {k: v for k, v in environ.items()
            if k not in (SINGLE_PROCESS_MARK, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                         "NVFUSER_MASTER_ADDR", "NVFUSER_MASTER_PORT", SHARED_GPU_MARK)}
@@ -95,82 +106,16 @@ def run_timeout_s() -> float:
     return value
 
 
-def _stat_fields(path: str) -> list[str] | None:
-    """A /proc stat file's fields after "pid (comm) ": [0] state (stat's 3rd),
-    [1] parent pid, [2] process group, [11] and [12] user and system CPU ticks,
-    [19] start time; None if the process or thread is gone."""
-    try:
-        with open(path) as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return stat[stat.rindex(")") + 2:].split()
-
-
-def _processes() -> dict[int, tuple[int, int, str, str]]:
-    """pid -> (parent pid, process group, state, start time) of every process, from
-    Linux's /proc; empty elsewhere."""
-    table = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if entry.isdigit() and (fields := _stat_fields(f"/proc/{entry}/stat")) is not None:   # (or ended meanwhile)
-            table[int(entry)] = (int(fields[1]), int(fields[2]), fields[0], fields[19])
-    return table
-
-
-def _tree(root: int) -> dict[int, str]:
-    """pid -> start time of root, its process group and every descendant: torchrun
-    starts each rank in a session of its own, out of reach of a signal to its group."""
-    table = _processes()
-    found = {pid: row[3] for pid, row in table.items() if pid == root or row[1] == root}
-    todo = list(found)
-    while todo:
-        parent = todo.pop()
-        for pid, row in table.items():
-            if row[0] == parent and pid not in found:
-                found[pid] = row[3]
-                todo.append(pid)
-    return found
-
-
-def _threads_cpu_s(pid: int) -> dict[int, tuple[str, float]]:
-    """tid -> (thread name, CPU seconds) of every thread of pid, from /proc."""
-    threads = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return threads
-    for tid in tids:
-        fields = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
-        try:
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                name = f.read().strip()
-        except OSError:
-            continue
-        if fields is not None:
-            threads[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
-    return threads
-
-
-def _rank_of(pid: int) -> str | None:
-    """The RANK a process was started with (a launcher's rank), or None."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = f.read().split(b"\0")
-    except OSError:
-        return None
-    return next((v[5:].decode() for v in env if v.startswith(b"RANK=")), None)
-
-
 def _report_ranks(tracked: dict[int, str], watch_s: float) -> None:
     """For each rank of a run past its bound: the CPU it used over watch_s and
     its busiest threads by name (busy: compiling or spinning; near 0: waiting).
     Ranks have printed their Python stacks a little before (arm_stack_dumps)."""
-    ranks = {pid: _rank_of(pid) for pid in _alive(tracked)}
+    ranks = {pid: procs.rank_of(pid) for pid in procs.alive(tracked)}
     ranks = {pid: rank for pid, rank in ranks.items() if rank is not None}
-    before = {pid: _threads_cpu_s(pid) for pid in ranks}
+    before = {pid: procs.threads_cpu_s(pid) for pid in ranks}
     time.sleep(watch_s)
     for pid, rank in sorted(ranks.items(), key=lambda kv: int(kv[1]) if kv[1].isdigit() else -1):
-        after = _threads_cpu_s(pid)
+        after = procs.threads_cpu_s(pid)
         if not after:
             continue
         used = {tid: (name, cpu - before[pid].get(tid, (name, 0.0))[1]) for tid, (name, cpu) in after.items()}
@@ -186,24 +131,18 @@ def _signal_all(root: int, tracked: dict[int, str], sig) -> None:
         os.killpg(root, sig)
     except ProcessLookupError:
         pass
-    for pid in _alive(tracked):
+    for pid in procs.alive(tracked):
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
 
 
-def _alive(tracked: dict[int, str]) -> list[int]:
-    """The tracked processes still running (not zombies, and not a new process that reuses the pid)."""
-    table = _processes()
-    return [pid for pid, start in tracked.items() if pid in table and table[pid][3] == start and table[pid][2] != "Z"]
-
-
 def _wait_ended(proc: subprocess.Popen, tracked: dict[int, str], seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while True:
         proc.poll()   # reap our child, or it counts as running
-        if proc.returncode is not None and not _alive(tracked):
+        if proc.returncode is not None and not procs.alive(tracked):
             return True
         if time.monotonic() >= deadline:
             return False
@@ -213,9 +152,9 @@ def _wait_ended(proc: subprocess.Popen, tracked: dict[int, str], seconds: float)
 def _end_all(proc: subprocess.Popen, grace_s: float) -> None:
     """SIGTERM to proc, its group and its descendants (torchrun and its ranks), SIGKILL
     to whatever is left after grace_s; return when none of them runs any more."""
-    tracked = _tree(proc.pid)
+    tracked = procs.tree(proc.pid)
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        tracked |= _tree(proc.pid)   # and any process started since
+        tracked |= procs.tree(proc.pid)   # and any process started since
         _signal_all(proc.pid, tracked, sig)
         if _wait_ended(proc, tracked, wait_s):
             break
@@ -241,7 +180,6 @@ def _raise_ended(signum, frame):
 def _die_with_parent() -> None:
     """In the child, before it runs: SIGTERM when this launcher dies (even by
     SIGKILL, which no handler sees: Linux's parent-death signal)."""
-    import ctypes
     try:
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -267,7 +205,7 @@ def run_bounded(cmd: list[str], env: dict[str, str], timeout_s: float, grace_s: 
         try:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            _report_ranks(_tree(proc.pid), WATCH_S)
+            _report_ranks(procs.tree(proc.pid), WATCH_S)
             _end_all(proc, grace_s)
             return None
         except BaseException:
@@ -287,7 +225,6 @@ def relaunch(layout: Layout, argv: list[str] | None = None, share_gpu: bool = Fa
     host IR on shared GPUs, the default-stream shim (sharegpu.py).
     Past TPFUSER_TIMEOUT_S every rank is ended and 124 returned."""
     timeout_s = run_timeout_s()
-    import torch
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus == 0 or (gpus < layout.world_size and not share_gpu):
         raise ValueError(f"a {layout.dp}x{layout.tp} mesh needs {layout.world_size} GPUs, one per rank; "
@@ -298,7 +235,6 @@ def relaunch(layout: Layout, argv: list[str] | None = None, share_gpu: bool = Fa
         from tpfuser.runtime.chunked import CONNECTIONS_VAR
         environ[CONNECTIONS_VAR] = "1"
         if share_gpu and gpus < layout.world_size and any(p.overlap == "streams" for p in schedule.chunked().values()):
-            from tpfuser.dist.sharegpu import SHIM_VARIABLE, build_default_stream_shim
             environ.setdefault(SHIM_VARIABLE, build_default_stream_shim())
     cmd, env = torchrun_command(layout, sys.argv[1:] if argv is None else argv, environ,
                                 shared_gpus=min(gpus, layout.world_size) if share_gpu else 0)
@@ -320,8 +256,6 @@ def shared_gpu_bytes(cfg, layout: Layout) -> int:
     gradients and saved activations a few times over, and rank 0's float32
     reference of the whole block (weights, gradients, activations; in bf16 also
     its eager bf16 run)."""
-    from tpfuser.parallel.placements import PARAM_PLACEMENTS, local_shape, saved_bytes_per_rank
-    from tpfuser.block.tensors import param_shapes
     shapes = param_shapes(cfg)
     total = sum(math.prod(s) for s in shapes.values())
     local = sum(math.prod(local_shape(s, PARAM_PLACEMENTS[n], layout)) for n, s in shapes.items())
@@ -340,7 +274,6 @@ def eager_peer_bytes(cfg) -> int:
     its weights and gradients in bf16, and while the largest gradient's error
     is taken (check.rel_l2) three float64 tensors of its size: it, its
     reference and their difference."""
-    from tpfuser.block.tensors import param_shapes
     sizes = [math.prod(s) for s in param_shapes(cfg).values()]
     return 4 * sum(sizes) + 24 * max(sizes)
 

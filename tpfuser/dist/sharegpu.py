@@ -24,7 +24,10 @@ host sockets, so their timings say nothing about one GPU per rank.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 
 SHARED_GPU_MARK = "TPFUSER_SHARED_GPUS"   # set by the launcher: how many GPUs the ranks share
 SHIM_VARIABLE = "TPFUSER_DEFAULT_STREAM_SHIM"   # the built shim's path, preloaded in every rank
@@ -36,9 +39,6 @@ def build_default_stream_shim(folder: str | None = None) -> str:
     with gcc; return the library's path. Rebuilt when the source is newer. One
     process builds it (the launcher, before its ranks start): the file appears
     whole (built aside, then renamed)."""
-    import shutil
-    import subprocess
-    import tempfile
     source = os.path.join(os.path.dirname(__file__), "shim", "default_stream.c")
     folder = folder or os.path.join(os.path.expanduser("~"), ".cache", "tpfuser")
     target = os.path.join(folder, SHIM_NAME)

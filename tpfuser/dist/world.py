@@ -22,12 +22,16 @@ from __future__ import annotations
 
 import os
 import socket
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from tpfuser.config import Layout
 from tpfuser.parallel.placements import placements
+from tpfuser.parallel.shard import gather
 
 # Marks a world of one that this process described itself (not a launcher's).
 SINGLE_PROCESS_MARK = "TPFUSER_SINGLE_PROCESS"
@@ -138,7 +142,6 @@ def dp_group(layout: Layout, rank: int):
     row), over which the backward sums parameter gradients. Every rank must call
     it (torch.distributed creates all groups collectively); torch.distributed
     must be initialized."""
-    import torch.distributed as dist
     mine = None
     for t in range(layout.tp):
         group = dist.new_group([d * layout.tp + t for d in range(layout.dp)])
@@ -151,9 +154,6 @@ def rank_groups(layout: Layout, rank: int):
     """torch.distributed (NCCL) for this rank, and its groups: .tp and .dp (this
     rank's row and column of the mesh) and .tp_mesh (a torch DeviceMesh over its
     tp row, for DTensor). Called by every rank after init_rank."""
-    from types import SimpleNamespace
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     if not dist.is_initialized():
         dist.init_process_group("nccl")
     # Ranks laid out as the fusion's mesh (rank = dp_rank * tp + tp_rank); its groups are DTensor's too.
@@ -178,7 +178,6 @@ def sum_over_group(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
     flattened together, summed in fp32 (through the CPU where the group is
     gloo's), each returned in its own dtype and shape. The dp sum of parameter
     gradients (as DDP's buckets do it)."""
-    import torch.distributed as dist
     flat = torch.cat([t.reshape(-1).float() for t in tensors])
     on = flat.cpu() if dist.get_backend(group) == "gloo" else flat
     dist.all_reduce(on, group=group)
@@ -196,8 +195,6 @@ def gather_output(local: torch.Tensor, layout: Layout, name: str = "out", group=
     every rank (for checking; it moves the whole tensor). Uses torch.distributed
     (any backend; the shards travel through the CPU), which the caller
     initializes; with a world of one it returns the local tensor."""
-    import torch.distributed as dist
-    from tpfuser.parallel.shard import gather
     if layout.world_size == 1:
         return local
     if not dist.is_initialized():

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+
 from tpfuser.config import BlockConfig, Layout
 from tpfuser.parallel.placements import Collective, collectives, forward_flops
 
 # Stated defaults, to be replaced by the caller's own figures:
 BUSBW_GBPS = 360.0    # an assumed NCCL bus bandwidth over 8 NVLink GPUs; `tpfuser bench --tp N` measures it
-TFLOPS = 689.0        # bf16 matmul rate at gpt3's GEMM shapes, measured on one H200 (run 8)
+TFLOPS = 689.0        # bf16 matmul rate at gpt3's GEMM shapes, measured on one H200 (2026-12-03; docs/history.md)
 
 
 @dataclass(frozen=True)
@@ -126,8 +129,6 @@ def allgather_matmul(x_local, weight, group, chunks: int):
     weight [n_out, n_in] a column-parallel shard; returns y [t, n_out], all tokens.
     Chunk i holds piece i of every rank's slice; chunk i+1 is gathered while
     chunk i's GEMM runs."""
-    import torch
-    import torch.distributed as dist
     tp = dist.get_world_size(group)
     pieces = [p.contiguous() for p in x_local.chunk(chunks, dim=0)]
 
@@ -150,8 +151,6 @@ def matmul_reducescatter(h, weight, group, chunks: int):
     returns this rank's slice [t/tp, n_out] of the sum over ranks. Chunk i is
     piece i of every rank's slice: its partial products are reduce-scattered
     while chunk i+1's GEMM runs."""
-    import torch
-    import torch.distributed as dist
     tp = dist.get_world_size(group)
     t = h.shape[0]
     if t % (tp * chunks):

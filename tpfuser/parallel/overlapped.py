@@ -15,8 +15,10 @@ import nvfuser_direct as nvf
 from nvfuser_direct import FusionDefinition, ParallelType
 
 from tpfuser.block.ops import NV_DTYPE
+from tpfuser.block.pieces import Piece
 from tpfuser.config import Layout
-from tpfuser.parallel.schedule import make_mesh
+from tpfuser.parallel.placements import DP, TP
+from tpfuser.parallel.schedule import apply_placement, make_mesh, validate
 
 @dataclass
 class OverlapFusion:
@@ -117,9 +119,6 @@ def chunk_fusion(op: str, pattern: str, a_shape: tuple[int, ...], w_shape: tuple
     (a_shape: rows [t, k], gather and scatter [b, tp * c, k]), placed on the
     dp x tp mesh, or with `row` on that dp rank's tp devices alone. Returns
     the FusionDefinition; its input order is (a, W[, bias])."""
-    from tpfuser.parallel.placements import DP, TP
-    from tpfuser.parallel.schedule import apply_placement, validate
-    from tpfuser.block.pieces import Piece
     if pattern not in PATTERNS or op not in ("linear", "matmul"):
         raise ValueError(f"chunk fusion {op!r} {pattern!r}: expected linear or matmul, and one of {PATTERNS}")
     contract = {"linear": 1, "matmul": 0}[op]           # W's contracted dimension

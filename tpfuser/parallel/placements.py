@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from tpfuser.config import BlockConfig, Layout
 from tpfuser.block.tensors import param_shapes
 from tpfuser.block.tensors import TENSORS, TP_DIMS, Tensor, saved
+from tpfuser.parallel.chunking import collective_chunks
 
 # A placement maps a tensor dimension to the mesh axis that splits it.
 DP, TP = "dp", "tp"
@@ -129,10 +130,9 @@ LINEARS: list[tuple[str, str]] = [(name.removesuffix(".weight"), "column" if dim
 
 
 def _chunked(c: Collective, schedule, phase: str) -> Collective:
-    """c as the schedule runs it: its stream chunks, or why it runs whole (schedules.collective_chunks)."""
+    """c as the schedule runs it: its stream chunks, or why it runs whole (chunking.collective_chunks)."""
     if schedule is None or not c.linear:
         return c
-    from tpfuser.parallel.schedules import collective_chunks
     chunks, why = collective_chunks(schedule, c.linear, c.kind, phase)
     return dataclasses.replace(c, chunks=chunks, whole_because=why)
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from tpfuser.block.form import BACKWARD_CUTS, FORWARD_CUTS, LINEARS, MASK_FORMS, QKV_SPLITS, Form
 from tpfuser.config import BlockConfig, Layout
+from tpfuser.parallel.chunking import collective_chunks  # noqa: F401 (re-exported: predict/timeline.py reads it here)
 
 COLUMN, ROW = ("attn.c_attn", "mlp.c_fc"), ("attn.c_proj", "mlp.c_proj")
 STYLES = ("column", "column-sp", "row", "row-sp")
@@ -264,36 +265,6 @@ def known_failure(cfg: BlockConfig, layout: Layout, schedule: Schedule | None = 
                 f"every form tried (a stride check on the 1-long head axis; docs/one-head.md, reproducer "
                 f"{ONE_HEAD_REPRODUCER}): use a tp that leaves each rank 2 heads or more")
     return None
-
-
-# Why a collective of a chunked linear runs whole, by (overlap form, phase, collective kind).
-_WHOLE = {
-    ("streams", "forward", "reducescatter"): "nvFuser 0.2.36 does not lower a reduce-scatter chunked on its "
-        "stream axis (it asserts: docs/overlap.md)",
-    ("streams", "backward", "allreduce"): "nvFuser's stream axis is applied to the forward's linears only here "
-        "(the fusions form chunks the backward's)",
-    ("streams", "backward", "reducescatter"): "nvFuser 0.2.36 does not lower a reduce-scatter chunked on its "
-        "stream axis (it asserts: docs/overlap.md)",
-    ("streams", "backward", "allgather"): "the gathered gradient feeds the weight gradient too: chunking the "
-        "gather and both matmuls is not built",
-    ("fusions", "backward", "allgather"): "the gathered gradient feeds the weight gradient too: chunking the "
-        "gather and both matmuls is not built",
-    ("streams", "backward weight", "allgather"): "the weight gradient reads the whole gathered LayerNorm "
-        "output: not chunked",
-    ("fusions", "backward weight", "allgather"): "the weight gradient reads the whole gathered LayerNorm "
-        "output: not chunked",
-}
-
-
-def collective_chunks(schedule: Schedule, linear: str, kind: str, phase: str) -> tuple[int, str]:
-    """(stream chunks, why it runs whole if it does) of one of a linear's collectives
-    (phase: "forward", "backward", or "backward weight" for the gather its weight
-    gradient reads) under the schedule."""
-    plan = schedule.linears[linear]
-    if plan.chunks == 1:
-        return 1, ""
-    why = _WHOLE.get((plan.overlap, phase, kind), "")
-    return (1, why) if why else (plan.chunks, "")
 
 
 def default_schedule(layout: Layout) -> Schedule:

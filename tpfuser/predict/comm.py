@@ -21,6 +21,7 @@ NVSwitch. Times are in milliseconds.
 from __future__ import annotations
 
 import json
+import os
 import math
 import re
 from dataclasses import dataclass
@@ -182,11 +183,15 @@ def read_comm_table(spec: str) -> dict:
     kind, path = (head, tail) if sep and "/" not in head else ("", spec)
     if kind and kind not in KINDS:
         raise ValueError(f"--comm-table={spec!r}: kind expected one of {', '.join(KINDS)}, got {kind!r}")
+    if not os.path.isfile(path):   # (never opened: a named pipe would block)
+        raise ValueError(f"--comm-table={spec!r}: {path!r} is not a regular file")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             text = f.read()
     except OSError as e:
         raise ValueError(f"--comm-table={spec!r}: not readable ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--comm-table={spec!r}: not text (expected nccl-tests output or JSON)") from None
     if not text.lstrip().startswith("{"):
         return {(t := parse_nccl_tests(text, kind or None, f"nccl-tests output {path}")).kind: t}
     try:

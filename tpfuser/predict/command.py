@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import os
 
+from tpfuser.parallel.schedules import SCHEDULES
 from tpfuser.predict import comm
 from tpfuser.predict.calibration import check_sums, default_path, read_calibration
+from tpfuser.predict.plot import plot_timeline
 from tpfuser.predict.timeline import COMM_SLOWDOWN_BESIDE_COMPUTE, SLOWDOWN_BESIDE_COMM, predict
 
 # The goal of issue 32: one gpt3 layer at tp 8, per rank, ms.
@@ -74,6 +76,7 @@ def _inputs(cfg, layout, args):
                          f"the GPU with tools/calibrate.py (or pass --calibration FILE)")
     cal = read_calibration(path)
     cal.check_config(args.preset, {k: getattr(cfg, k) for k in ("batch", "seq", "n_embd", "n_head", "dropout", "dtype")})
+    cal.pieces(args.preset, layout.tp, layout.sp)   # refused now (no preset, tp or SP pieces), not after the plan
     net = comm.flat(args.bandwidth) if getattr(args, "bandwidth", None) else comm.interconnect(args.interconnect)
     for spec in args.comm_table or ():
         net = net.replace(comm.read_comm_table(spec))
@@ -168,7 +171,6 @@ def _check_line(rows: list[dict]) -> str:
 
 
 def _compare(cfg, layout, cal, net, preset) -> list[dict]:
-    from tpfuser.parallel.schedules import SCHEDULES
     rows = []
     for name, sched in SCHEDULES.items():
         lay = sched.layout(layout.dp, layout.tp)
@@ -230,7 +232,6 @@ def predict_command(cfg, layout, schedule, args) -> dict:
     print()
     print(_format(rep))
     if args.png:
-        from tpfuser.predict.plot import plot_timeline
         plot_timeline(rep, args.png)
         print(f"timeline: {args.png}")
     return rep

@@ -6,7 +6,10 @@ is an optional dependency: imported here only."""
 
 from __future__ import annotations
 
-import os
+from tpfuser.outputs import replacing
+
+# Deferred: matplotlib (an optional dependency, pyproject's test extra), imported
+# in plot_timeline when a --png is asked for: `plan --predict` runs without it.
 
 COLOURS = {"gemm": "#76b900", "attention": "#1f77b4", "pointwise": "#b0b0b0", "collective": "#ff7f0e"}
 LANES = (("compute", 1.0), ("comm", 0.0))
@@ -52,13 +55,8 @@ def plot_timeline(rep: dict, path: str) -> None:
     fig.suptitle(f"{rep['preset']} tp {rep['tp']} ({rep['parallelism']}), {rep['schedule']}: one rank, predicted "
                  f"({stand_in}, {rep['interconnect']['name']})", fontsize=9)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
-    tmp = f"{path}.tmp.png"   # written whole or not at all (outputs.write_output's rule)
     try:
-        fig.savefig(tmp, dpi=130, format="png")
-        os.replace(tmp, path)
-    except OSError as e:
-        raise ValueError(f"--png={path!r}: could not be written ({e.strerror or e}); nothing was written") from None
+        with replacing(path, "--png", suffix=".png") as tmp:   # whole or not at all, through a link to its file
+            fig.savefig(tmp, dpi=130, format="png")
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.remove(tmp)

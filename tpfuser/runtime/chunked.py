@@ -28,7 +28,9 @@ import torch
 
 from tpfuser.parallel.overlapped import (OVERLAP_OPTIONS, allgather_column_parallel_overlapped, chunk_fusion,
                                          row_parallel_overlapped, run_allgather_overlapped)
-from tpfuser.parallel.schedules import COLUMN, collective_chunks
+from tpfuser.dist.sharegpu import check_host_ir_device
+from tpfuser.parallel.chunking import collective_chunks
+from tpfuser.parallel.schedules import COLUMN
 
 CONNECTIONS_VAR = "CUDA_DEVICE_MAX_CONNECTIONS"
 SIDE_STREAMS = 2   # chunk i runs on side stream i % SIDE_STREAMS: chunk i's collective beside chunk i+1's GEMM
@@ -202,7 +204,6 @@ class StreamAxisChunks:
             raise ValueError(f"{linear}: overlap 'streams' runs a forward all-reduce or all-gather on a 1 x tp "
                              f"mesh here (nvFuser 0.2.36's host IR); got a {run.kind} {pattern} on "
                              f"{block.layout.dp}x{block.layout.tp}")
-        from tpfuser.dist.sharegpu import check_host_ir_device
         check_host_ir_device(block.rank, torch.cuda.device_count())
         self.block, self.linear, self.pattern, self.chunks = block, linear, pattern, chunks
         self.names = list(piece.inputs)

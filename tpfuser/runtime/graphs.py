@@ -31,6 +31,7 @@ dp group is NCCL's; a gloo group sums through the host, after the replay.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from tpfuser.dist.world import sum_over_group
 from tpfuser.runtime.block import ShardedBlock
@@ -51,7 +52,6 @@ def _dp_backend(block: ShardedBlock) -> str | None:
     if block.dp_group is None:
         raise ValueError(f"dp={block.layout.dp}: the gradients are summed over dp; build the block (ShardedBlock "
                          f"or TPBlock) with dp_group=world.dp_group(layout, rank)")
-    import torch.distributed as dist
     return dist.get_backend(block.dp_group)
 
 

@@ -21,6 +21,7 @@ from tpfuser.config import BlockConfig, Layout
 from tpfuser.parallel.placements import DP, backward_collectives, collectives
 from tpfuser.parallel.schedules import Schedule, default_schedule, load_schedule
 from tpfuser.runtime.block import ShardedBlock
+from tpfuser.runtime.graphs import GraphedForward, GraphedTrainStep
 from tpfuser.verify.commlog import captured_communications, compare_collectives
 from tpfuser.verify.oracle import Case, expectations, rank_masks, rel_l2
 
@@ -37,12 +38,12 @@ BOUNDS: dict[tuple[str, str], tuple[float, str]] = {
                                     "error on it (the same block, masks and flash streams, against the same "
                                     "float32 reference) where that exceeds the fixed bound: the fusion rounds at "
                                     "other points than eager; gpt3's rows of 12288 put eager's output at 9.4e-3 "
-                                    "(CPU, dropout 0, tools/bf16_eager_error.py), the fusion's at 1.1e-2 (run 23), "
-                                    "past the fixed 1e-2"),
+                                    "(CPU, dropout 0, tools/probes/bf16_eager_error.py), the fusion's at 1.1e-2 "
+                                    "(measured on the H200, 2026-12-03; docs/history.md), past the fixed 1e-2"),
     ("bf16", "wrong_stream"): (2.0, "replaying the wrong ranks' flash-attention streams must raise the branch "
-                                    "error (out - x) this many times over the right replay's; measured (run 9): "
-                                    "nanogpt 25x, tiny 3.1-4.1x (its bf16 output rounding is already 4% of its "
-                                    "small branch: weights of std 0.02 over e = 64)"),
+                                    "error (out - x) this many times over the right replay's; measured on the H200 "
+                                    "(2026-12-03; docs/history.md): nanogpt 25x, tiny 3.1-4.1x (its bf16 output "
+                                    "rounding is already 4% of its small branch: weights of std 0.02 over e = 64)"),
 }
 
 
@@ -230,7 +231,6 @@ def graph_equality(case: Case, rank: int, exp: dict, host_outs: dict, backward: 
     """Replays from CUDA graphs against a called block with the same device keys,
     bit for bit, at the case's (seed, offset); with dropout, the next offset's
     replay must draw new masks, and the device keys the host keys' masks."""
-    from tpfuser.runtime.graphs import GraphedForward, GraphedTrainStep
     cfg, layout = case.cfg, case.layout
     shards = [exp[f"param.{n}"] for n in PARAM_NAMES]
     x, grad_out = exp["x"].to(cfg.torch_dtype), exp["grad_out"].to(cfg.torch_dtype)

@@ -16,10 +16,17 @@ import subprocess
 import sys
 
 import torch
+import torch.distributed as dist
 
 from tpfuser.verify.commlog import error_line, error_message
 from tpfuser.config import BlockConfig, Layout
 from tpfuser.dist.sharegpu import SHARED_GPU_MARK
+from tpfuser.dist.world import dp_group, init_rank
+
+# Deferred: nvfuser_direct (environment, for its version) and tpfuser.verify.check
+# (a case's check: nvFuser), imported when used: the command line imports this
+# module for `check` before it knows nvFuser is needed, and bench's report
+# (bench/cli.py) for its environment.
 
 
 def git_commit(folder: str) -> str | None:
@@ -78,11 +85,9 @@ def run_checks(cfgs: list[BlockConfig], layout: Layout, args) -> int:
     rank's results, prints them and rewrites args.json, so that a run ended at
     its time bound keeps the cases it finished. Exit code 0 when every rank
     passed every case."""
-    from tpfuser.dist.world import dp_group, init_rank
     rank = init_rank(layout)
     group = None
     if layout.world_size > 1:
-        import torch.distributed as dist
         if not dist.is_initialized():   # gloo: barriers, gathers and the dp gradient sum, apart from nvFuser's NCCL
             dist.init_process_group("gloo")
         group = dp_group(layout, rank) if layout.dp > 1 else None

@@ -25,6 +25,7 @@ import tempfile
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from tpfuser.block.dropout import flash_seed, keep_mask, stream_key
 from tpfuser.block.tensors import PARAM_NAMES, tensors
@@ -198,7 +199,6 @@ def expectations(case: Case, rank: int, device: torch.device, backward: bool = T
     (torch.distributed, initialized by the caller, synchronizes)."""
     if case.layout.world_size == 1:
         return rank_slices(reference(case, device, backward), case, 0)
-    import torch.distributed as dist
     folder = [tempfile.mkdtemp(prefix="tpfuser-check-") if rank == 0 else None]
     dist.broadcast_object_list(folder, src=0)
     path = os.path.join(folder[0], "rank{}.pt")

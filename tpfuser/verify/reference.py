@@ -1,8 +1,10 @@
 """The oracle: nanoGPT's Block in plain PyTorch (GELU tanh, as in Thunder's nanoGPT).
 
 Parameter names are nanoGPT's, so a nanoGPT `Block.state_dict()` loads as is.
-Their order and shapes are tensors.py's (`PARAM_NAMES`, `param_shapes`), the
-table the fusion's `define_tensor`s and `execute` inputs follow too.
+Their order and shapes (`PARAM_NAMES`, `param_shapes`) are written out here,
+not read from block/tensors.py, the table the fusion's `define_tensor`s and
+`execute` inputs follow: the oracle imports nothing of the package it checks
+(tests/test_imports.py), and tests/test_reference.py checks the two agree.
 
 Dropout is applied through explicit masks when they are given (`Masks`), so
 that the reference can replay exactly what a fusion drew.
@@ -12,22 +14,32 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tpfuser.config import BlockConfig
-from tpfuser.block.tensors import PARAMS
+if TYPE_CHECKING:   # the annotations' type only
+    from tpfuser.config import BlockConfig
 
-PARAM_NAMES: tuple[str, ...] = tuple(p.name for p in PARAMS)   # nanoGPT's, in tensors.py's order
+# nanoGPT's parameters, in its state_dict's order.
+PARAM_NAMES: tuple[str, ...] = ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
+                                "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
+                                "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias")
 
 LN_EPS = 1e-5
 
 
 def param_shapes(cfg: BlockConfig) -> dict[str, tuple[int, ...]]:
-    return {p.name: p.shape(cfg) for p in PARAMS}
+    """Each parameter's shape, in PARAM_NAMES' order (nn.Linear's weight [out, in])."""
+    e = cfg.n_embd
+    return {"ln_1.weight": (e,), "ln_1.bias": (e,),
+            "attn.c_attn.weight": (3 * e, e), "attn.c_attn.bias": (3 * e,),
+            "attn.c_proj.weight": (e, e), "attn.c_proj.bias": (e,),
+            "ln_2.weight": (e,), "ln_2.bias": (e,),
+            "mlp.c_fc.weight": (4 * e, e), "mlp.c_fc.bias": (4 * e,),
+            "mlp.c_proj.weight": (e, 4 * e), "mlp.c_proj.bias": (e,)}
 
 
 @dataclass

@@ -1,0 +1,32 @@
+"""bench --startup's reading of nvFuser's trace (bench/startup.py): the
+calling thread's wall time in the segmenter and in compiling kernels, the
+compile's worker threads (which open the same scope) not added on top."""
+from tpfuser.bench.startup import format_startup, trace_phases
+
+EVENT = '{{ "name": "{}", "ph": "{}", "pid": 1, "tid": {}, "ts": {} }},'
+RUN, SEG, COMPILE = ("FusionExecutorCache::runFusionWithInputs", "SegmentCandidateFinder::SegmentCandidateFinder",
+                     "FusionKernelRuntime::compileFusionParallel")
+
+
+def _trace(*events) -> str:
+    return "{\n\"traceEvents\": [\n" + "\n".join(EVENT.format(*e) for e in events)   # cut short: no closing ]
+
+
+def test_the_callers_wall_time_not_the_workers_sum():
+    text = _trace((RUN, "B", 7, 0), (SEG, "B", 7, 100), (SEG, "E", 7, 2_000_100),
+                  (COMPILE, "B", 7, 3_000_000), (COMPILE, "B", 9, 3_000_010), (COMPILE, "E", 9, 4_000_010),
+                  (COMPILE, "B", 11, 3_000_020), (COMPILE, "E", 11, 4_500_020), (COMPILE, "E", 7, 4_600_000),
+                  (RUN, "E", 7, 5_000_000),
+                  (RUN, "B", 7, 6_000_000), (COMPILE, "B", 7, 6_000_100), (COMPILE, "E", 7, 6_500_100))
+    phases = trace_phases(text)
+    assert abs(phases["segmenting_s"] - 2.0) < 1e-9
+    assert abs(phases["compiling_kernels_s"] - (1.6 + 0.5)) < 1e-9   # two fusions' compiles, the caller's wall time
+
+
+def test_a_table_row_for_every_implementation_failed_or_not():
+    row = {"impl": "nvfuser", "pass": "forward", "import_s": 3.0, "build_s": 2.0, "first_call_s": 7.0,
+           "second_call_s": 0.002, "segmenting_s": 2.5, "compiling_kernels_s": 4.0}
+    rep = {"preset": "nanogpt", "config": {"dtype": "bf16", "dropout": 0.1}, "schedule": {"name": "megatron"},
+           "gpu": "H200", "rows": [row, {"impl": "compile", "pass": "forward", "error": "exit 1: boom"}]}
+    text = format_startup(rep)
+    assert "nvfuser" in text and "9.0" in text and "FAILED: exit 1: boom" in text

@@ -1,0 +1,47 @@
+"""The command line's options naming a schedule (--schedule, --schedule-file,
+--chunks; with --sp), shared by `tpfuser` and `tpfuser bench`, and the
+schedule they give (resolve_schedule), refused in one line where they disagree."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from tpfuser.parallel.schedules import SCHEDULES, load_schedule
+
+
+def schedule_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--schedule", default=None, metavar="NAME",
+                   help=f"a named schedule: {', '.join(SCHEDULES)} (default: megatron, or megatron-sp with --sp)")
+    p.add_argument("--schedule-file", default=None, metavar="FILE", help="a schedule as JSON (README: Schedules)")
+    p.add_argument("--chunks", type=int, default=None, metavar="N",
+                   help="stream chunks for every linear the schedule chunks (overrides its count)")
+
+
+def resolve_schedule(args):
+    """The schedule the options name (at most one of --schedule, --schedule-file),
+    and --sp and --chunks applied to it; refused in one line where they disagree."""
+    if args.schedule and args.schedule_file:
+        raise ValueError("--schedule and --schedule-file: give one of them")
+    spec = args.schedule or args.schedule_file or ("megatron-sp" if getattr(args, "sp", False) else "megatron")
+    if args.schedule_file:
+        check_readable(args.schedule_file, "--schedule-file")
+    schedule = load_schedule(spec)
+    if getattr(args, "sp", False) and not schedule.sequence_parallel:
+        raise ValueError(f"--sp with --schedule {schedule.name!r}, which is not sequence-parallel: "
+                         f"drop --sp or name a sequence-parallel schedule (megatron-sp)")
+    if args.chunks is not None:
+        if isinstance(args.chunks, bool) or not isinstance(args.chunks, int) or args.chunks < 1:
+            raise ValueError(f"--chunks: expected a positive int (stream chunks along the tokens), got {args.chunks!r}")
+        if not schedule.chunked():
+            raise ValueError(f"--chunks={args.chunks}: schedule {schedule.name!r} chunks no linear "
+                             f"(an overlapped schedule does: megatron-overlap, megatron-sp-overlap)")
+        linears = {name: plan.__class__(**{**plan.__dict__, "chunks": args.chunks}) if plan.chunks > 1 else plan
+                   for name, plan in schedule.linears.items()}
+        schedule = schedule.replace(name=f"{schedule.name}/{args.chunks}", linears=linears)
+    return schedule
+
+
+def check_readable(path: str, option: str) -> None:
+    if not os.path.isfile(path):
+        raise ValueError(f"{option}={path!r}: not a file")
