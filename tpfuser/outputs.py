@@ -169,3 +169,15 @@ def write_output(path, text: str, option: str = "output") -> None:
 
 def write_json(path, data, option: str = "--json") -> None:
     write_output(path, json.dumps(data, indent=1) + "\n", option)
+
+
+def read_json(path: str, what: str, error: type[ValueError] = ValueError):
+    """The JSON a file holds, or one line naming it (`what` the file is:
+    "schedule file", "calibration") where it is not a readable JSON file."""
+    if not os.path.isfile(path):   # (never opened: a named pipe would block)
+        raise error(f"{what} {path!r}: not a file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{what} {path!r}: not readable as JSON ({e})") from None

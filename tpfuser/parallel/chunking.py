@@ -11,21 +11,18 @@ if TYPE_CHECKING:
 
 
 # Why a collective of a chunked linear runs whole, by (overlap form, phase, collective kind).
+_NOT_LOWERED = ("nvFuser 0.2.36 does not lower a reduce-scatter chunked on its stream axis "
+                "(it asserts: docs/overlap.md)")
+_FEEDS_WEIGHT_GRADIENT = ("the gathered gradient feeds the weight gradient too: chunking the gather and both "
+                          "matmuls is not built")
+_WHOLE_LAYERNORM = "the weight gradient reads the whole gathered LayerNorm output: not chunked"
 _WHOLE = {
-    ("streams", "forward", "reducescatter"): "nvFuser 0.2.36 does not lower a reduce-scatter chunked on its "
-        "stream axis (it asserts: docs/overlap.md)",
-    ("streams", "backward", "allreduce"): "nvFuser's stream axis is applied to the forward's linears only here "
-        "(the fusions form chunks the backward's)",
-    ("streams", "backward", "reducescatter"): "nvFuser 0.2.36 does not lower a reduce-scatter chunked on its "
-        "stream axis (it asserts: docs/overlap.md)",
-    ("streams", "backward", "allgather"): "the gathered gradient feeds the weight gradient too: chunking the "
-        "gather and both matmuls is not built",
-    ("fusions", "backward", "allgather"): "the gathered gradient feeds the weight gradient too: chunking the "
-        "gather and both matmuls is not built",
-    ("streams", "backward weight", "allgather"): "the weight gradient reads the whole gathered LayerNorm "
-        "output: not chunked",
-    ("fusions", "backward weight", "allgather"): "the weight gradient reads the whole gathered LayerNorm "
-        "output: not chunked",
+    ("streams", "forward", "reducescatter"): _NOT_LOWERED,
+    ("streams", "backward", "reducescatter"): _NOT_LOWERED,
+    ("streams", "backward", "allreduce"): ("nvFuser's stream axis is applied to the forward's linears only here "
+                                           "(the fusions form chunks the backward's)"),
+    **{(form, "backward", "allgather"): _FEEDS_WEIGHT_GRADIENT for form in ("streams", "fusions")},
+    **{(form, "backward weight", "allgather"): _WHOLE_LAYERNORM for form in ("streams", "fusions")},
 }
 
 

@@ -19,12 +19,12 @@ one line naming it, what was expected and what came.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 
 from tpfuser.block.form import BACKWARD_CUTS, FORWARD_CUTS, LINEARS, MASK_FORMS, QKV_SPLITS, Form
 from tpfuser.config import BlockConfig, Layout
+from tpfuser.outputs import read_json
 from tpfuser.parallel.chunking import collective_chunks  # noqa: F401 (re-exported: predict/timeline.py reads it here)
 
 COLUMN, ROW = ("attn.c_attn", "mlp.c_fc"), ("attn.c_proj", "mlp.c_proj")
@@ -319,9 +319,4 @@ def load_schedule(spec) -> Schedule:
         return SCHEDULES[spec]
     if not os.path.isfile(spec):
         raise ValueError(f"schedule {spec!r}: not a named schedule ({', '.join(SCHEDULES)}) nor a file")
-    try:
-        with open(spec) as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"schedule file {spec!r}: not readable as JSON ({e})") from None
-    return schedule_from_dict(data)
+    return schedule_from_dict(read_json(spec, "schedule file"))

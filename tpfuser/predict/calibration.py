@@ -22,10 +22,11 @@ stream over its time alone, a rough stand-in for NCCL's SMs.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
+
+from tpfuser.outputs import read_json
 
 FORMAT = "tpfuser-calibration/1"
 LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
@@ -202,14 +203,7 @@ class Calibration:
 
 
 def read_calibration(path: str) -> Calibration:
-    if not os.path.isfile(path):
-        raise CalibrationError(f"calibration {path}: not a file")
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CalibrationError(f"calibration {path}: not readable as JSON ({e})") from None
-    return Calibration(data, path)
+    return Calibration(read_json(path, "calibration", CalibrationError), path)
 
 
 def pass_sum(pieces: Pieces, kind: str) -> float:
