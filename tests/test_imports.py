@@ -256,3 +256,20 @@ def test_each_structure_check_finds_what_it_is_for(tmp_path, monkeypatch):
                                                   "    from tpfuser.runtime.block import ShardedBlock\n")
     assert me.stray_deferred_imports() == []             # a heavy one, and a module that imports nvFuser
     assert me.reference_imports_from_the_package() == ["3: tpfuser.runtime.block", "3: tpfuser.runtime.block.ShardedBlock"]
+
+
+def test_the_package_face_imports_nothing_until_a_name_is_used():
+    """`import tpfuser` brings neither torch nor nvFuser in and changes no
+    environment; each public name resolves at its first use; an unknown one
+    is refused naming the public ones."""
+    import subprocess
+    import sys
+    probe = ("import os, sys; before = dict(os.environ); import tpfuser; "
+             "assert not [m for m in sys.modules if m.split('.')[0] in ('torch', 'nvfuser_direct')], 'heavy import'; "
+             "assert dict(os.environ) == before, 'environment changed'; "
+             "names = [getattr(tpfuser, n) for n in tpfuser.__all__]; "
+             "assert tpfuser.ShardedBlock.__name__ == 'ShardedBlock'; "
+             "tpfuser.nope")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 1, done.stderr
+    assert "AttributeError: module 'tpfuser' has no attribute 'nope' (its public names: Block, BlockConfig" in done.stderr
