@@ -142,14 +142,12 @@ class SideStreamChunks:
 
     def __init__(self, owner: ChunkedLinears, run, piece, linear: str, pattern: str, op: str, chunks: int):
         block = owner.block
-        self.owner, self.pattern, self.chunks = owner, pattern, chunks
+        self.owner, self.pattern, self.op, self.chunks = owner, pattern, op, chunks
         self.names = list(piece.inputs)          # (a, W[, bias]) in the piece's order
         self.a_name = next(n for n in self.names if not n.startswith(linear))
         self.order = [self.a_name, f"{linear}.weight"] + ([f"{linear}.bias"] if f"{linear}.bias" in self.names else [])
-        cfg, layout = run.cfg, block.layout
-        self.tp = layout.tp
-        self.backward = run.kind == "backward"
-        self.layout, self.cfg, self.op, self.linear = layout, cfg, op, linear
+        self.layout, self.tp = block.layout, block.layout.tp
+        self.backward = run.kind == "backward"   # on the dp rank's tp devices alone (schedule.build_pass)
         self.split_unit_axes = block.schedule.split_unit_axes
         self._fd = None
 
@@ -195,6 +193,7 @@ class SideStreamChunks:
         for stream in streams:
             main.wait_stream(stream)
         return [out]
+
 
 class StreamAxisChunks:
     """A chunked linear on nvFuser's stream axis (host IR; module docstring)."""
