@@ -124,6 +124,7 @@ class ShardedBlock:
         self._placements = placements(layout)
         self._mask_starts = mask_starts(cfg, layout, rank)
         self._passes: dict[tuple[str, bool], Pass] = {}   # (kind, dropout): built at first use (pass_of)
+        self._saved_orders: dict[bool, dict] = {}          # dropout: _saved's, made at first use
         self.chunked = ChunkedLinears(self)
         self.forward_pass = self.pass_of("forward", True)
         self._params: Optional[list[torch.Tensor]] = None
@@ -176,7 +177,17 @@ class ShardedBlock:
 
     def saved_names(self, dropout: bool = True) -> list[str]:
         """What the training forward saves for the backward, in the backward's order."""
-        return [name for name in self.pass_of("train", dropout).outputs if name != "out"]
+        return list(self._saved(dropout))
+
+    def _saved(self, dropout: bool) -> dict:
+        """{saved name: its memory order as the backward reads it}, per mode, made
+        once (not on every call): the training pass's outputs but `out`."""
+        key = self.mode_cfg(dropout).dropout > 0
+        if key not in self._saved_orders:
+            flash = self.form.flash_layout
+            self._saved_orders[key] = {name: memory_order(BY_NAME[name], self.cfg) if flash else None
+                                       for name in self.pass_of("train", dropout).outputs if name != "out"}
+        return self._saved_orders[key]
 
     def pass_of(self, kind: str, dropout: bool = True) -> Pass:
         """The "forward", "train" (forward that saves for backward) or "backward"
@@ -305,7 +316,7 @@ class ShardedBlock:
         params = self.checked_params(params)
         self.validate_input("x", x)
         named = self._forward("train", x, params, rng_seed, rng_offset, dropout)
-        saved = [named.pop(name) for name in self.saved_names(dropout)]
+        saved = [named.pop(name) for name in self._saved(dropout)]
         return named, saved
 
     def backward(self, grad_out: torch.Tensor, x: torch.Tensor, saved: list[torch.Tensor], params=None,
@@ -331,10 +342,8 @@ class ShardedBlock:
         """The backward's inputs by name, checked, the saved ones laid out as it reads them."""
         params = self.checked_params(params)
         self.validate_input("grad_out", grad_out)
-        names = self.saved_names(dropout)
-        if len(saved) != len(names):
-            raise ValueError(f"saved: expected {len(names)} tensors ({', '.join(names)}), got {len(saved)}")
-        flash = self.form.flash_layout
+        orders = self._saved(dropout)
+        if len(saved) != len(orders):
+            raise ValueError(f"saved: expected {len(orders)} tensors ({', '.join(orders)}), got {len(saved)}")
         return {"grad_out": grad_out.contiguous(), "x": x.contiguous(), **dict(zip(PARAM_NAMES, params)),
-                **{name: laid_out(t, memory_order(BY_NAME[name], self.cfg) if flash else None)
-                   for name, t in zip(names, saved)}}
+                **{name: laid_out(t, order) for (name, order), t in zip(orders.items(), saved)}}
