@@ -255,3 +255,60 @@ def test_the_training_benches_take_every_option_their_impls_give():
             assert isinstance(nvfuser_schedule(SCHEDULES[name], impl), Schedule)
         for impl in NVFUSER_GRAPHED:
             assert nvfuser_schedule(SCHEDULES[name], impl, graphed=True).keys_on_device
+
+
+def test_an_nvfuser_impl_may_run_its_own_schedule_beside_the_benchs(monkeypatch, tmp_path):
+    """impl@schedule: the same implementation under another schedule, timed in
+    the same loop (a name or a JSON file); refused in one line for a peer, an
+    unknown schedule, or one that splits the input otherwise (SP or not)."""
+    import json
+    import tpfuser.runtime.block
+    import tpfuser.runtime.graphs
+    from tpfuser.bench.impls import check_impls, forward_fns, split_impl
+    from tpfuser.config import Layout, preset
+    from tpfuser.parallel.schedules import SCHEDULES
+
+    class Recorder:
+        def __init__(self, cfg, layout, rank, **options):
+            self.options = options
+
+        def load(self, state):
+            return self
+
+    monkeypatch.setattr(tpfuser.runtime.block, "ShardedBlock", Recorder)
+    monkeypatch.setattr(tpfuser.runtime.graphs, "GraphedForward", lambda block: block)
+    own = tmp_path / "mine.json"
+    own.write_text(json.dumps({"base": "megatron", "name": "mine", "cuts": []}))
+    impls = ["nvfuser-graph", "nvfuser-graph@megatron-cut-linears", f"nvfuser@{own}"]
+    assert split_impl(impls[1]) == ("nvfuser-graph", "megatron-cut-linears") and split_impl("eager") == ("eager", None)
+    base = SCHEDULES["megatron"]
+    check_impls(impls, Layout(), schedule=base)
+    fns = forward_fns(preset("tiny"), torch.nn.Linear(1, 1), None, impls, Layout(), 0, None, base)
+    made = {impl: fn.__defaults__[0].options["schedule"] for impl, fn in fns.items()}
+    assert set(made) == set(impls)
+    assert made["nvfuser-graph"] == base.replace(keys_on_device=True)
+    assert made["nvfuser-graph@megatron-cut-linears"] == SCHEDULES["megatron-cut-linears"].replace(keys_on_device=True)
+    assert made[f"nvfuser@{own}"].name == "mine" and made[f"nvfuser@{own}"].cuts == ()
+    for bad, says in (("eager@megatron", "for an nvFuser implementation"),
+                      ("nvfuser@no-such-schedule", "no-such-schedule"),
+                      ("nvfuser@megatron-sp", "sequence-parallel")):
+        with pytest.raises(ValueError, match=says) as e:
+            check_impls([bad], Layout(), schedule=base)
+        assert bad in str(e.value) and "\n" not in str(e.value)
+
+
+def test_startup_runs_an_nvfuser_impl_under_its_own_schedule(monkeypatch):
+    """bench --startup --impl nvfuser,nvfuser@NAME: the child gets NAME's schedule, the row keeps the name."""
+    import tpfuser.bench.startup as startup
+    from tpfuser.config import Layout, preset
+    from tpfuser.parallel.schedules import SCHEDULES
+    specs = []
+    monkeypatch.setattr(startup, "_run_child", lambda spec, timeout_s: specs.append(spec) or {"impl": spec["impl"], "pass": spec["pass"], "error": "not run"})
+    rep = startup.run_startup("tiny", preset("tiny"), Layout(), SCHEDULES["megatron"],
+                              ["nvfuser", "nvfuser@megatron-cut-linears", "compile"], progress=lambda *a, **k: None)
+    assert [s["impl"] for s in specs] == ["nvfuser", "nvfuser", "compile"]
+    assert [s["schedule"]["name"] for s in specs[:2]] == ["megatron", "megatron-cut-linears"]
+    assert [r["impl"] for r in rep["rows"]] == ["nvfuser", "nvfuser@megatron-cut-linears", "compile"]
+    assert [r.get("schedule") for r in rep["rows"]] == ["megatron", "megatron-cut-linears", None]
+    with pytest.raises(ValueError, match="compile@megatron"):
+        startup.run_startup("tiny", preset("tiny"), Layout(), SCHEDULES["megatron"], ["compile@megatron"])

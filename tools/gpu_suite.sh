@@ -30,6 +30,11 @@
 #   startup the first call in fresh processes (bench --startup): nanogpt's forward and training step, every
 #           implementation, at the default schedule; nvFuser alone at the schedules STARTUP_SCHEDULES (names or
 #           files); gpt3's forward, nvFuser and torch.compile. Alone on the machine (compiles are CPU-bound)
+#   firstcall  tools/probes/first_call_probe.py, one fresh process each, one after another: the first call
+#           fusion by fusion (segmenting, compile, kernels) for each of FIRSTCALL_RUNS ("schedule:pass:threads",
+#           pass train or forward, threads NVFUSER_NUM_THREADS or - for nvFuser's default); bound FIRSTCALL_S each
+#   calibrate  tools/calibrate.py for CALIBRATE_PRESETS (default "gpt3 nanogpt") at tp 1 2 4 5 8, into
+#           $OUT/calibration.json (CALIBRATE_ARGS: more arguments, e.g. --no-beside); bound CALIBRATE_S
 #   quick   correctness at the default and the overlapped schedules, side by side: nanogpt 1x1, tiny 1x2 and
 #           2x2 (ranks sharing the GPU), TP and SP, fp32 and bf16, forward and backward, collectives as planned
 #           (QUICK_JOBS picks some: "nano11 tiny12 tiny12sp tiny22 ovl12 ovl12sp"); bound QUICK_S
@@ -265,6 +270,24 @@ step_overlapped() {
   done
   wait
   for j in $jobs; do echo "-- $j"; grep -h -E "^(check|fp32|bf16|all|SOME)|rank 0: .*failed" "$OUT/ovl_$j.txt" | cut -c1-300 | head -12; done
+}
+
+step_firstcall() {
+  echo "== the first call fusion by fusion, one fresh process each (tools/probes/first_call_probe.py)"
+  local run sched kind threads tag
+  for run in ${FIRSTCALL_RUNS:-megatron:train:- megatron-cut-linears:train:-}; do
+    IFS=: read -r sched kind threads <<< "$run"
+    tag=firstcall_${sched}_${kind}_${threads/-/default}
+    ( [[ $threads != - ]] && export NVFUSER_NUM_THREADS=$threads
+      T ${FIRSTCALL_S:-120} -- python3 tools/probes/first_call_probe.py --schedule "$sched" \
+        $([[ $kind == forward ]] && echo --forward) > "$OUT/$tag.json" 2> "$OUT/$tag.err" )
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], 'first call %.1f s, construct %.1f, load %.1f, segmenting %.1f, compile wall %.1f, kernels %d, nvrtc sum %.1f' % (d['first_call_s'], d['construct_s'], d['load_s'], d['segmenting_s'], d['compile_wall_s'], d['kernels'], d['nvrtc_sum_s']))" "$OUT/$tag.json" "$tag" 2>&1 | tail -1
+  done
+}
+step_calibrate() {
+  echo "== calibration: one rank's pieces timed on this GPU (tools/calibrate.py ${CALIBRATE_PRESETS:-gpt3 nanogpt})"
+  T ${CALIBRATE_S:-300} -- python3 tools/calibrate.py --preset ${CALIBRATE_PRESETS:-gpt3 nanogpt} --tp 1 2 4 5 8 \
+    ${CALIBRATE_ARGS:-} --json "$OUT/calibration.json" 2>&1 | tee "$OUT/calibrate.log" | tail -30
 }
 
 unset NVFUSER_MASTER_PORT   # single-process runs pick a free port (tpfuser/world.py): concurrent steps do not collide

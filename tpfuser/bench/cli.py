@@ -29,7 +29,8 @@ def add_bench_arguments(ap) -> None:
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--sp", action="store_true", help="sequence parallelism (the default schedule: megatron-sp)")
-    ap.add_argument("--impl", default=None, help=f"comma-separated, of {','.join(IMPLS)} (default: what the mesh allows)")
+    ap.add_argument("--impl", default=None, help=f"comma-separated, of {','.join(IMPLS)} (default: what the mesh allows); "
+                    "an nvFuser one may run a schedule of its own beside the bench's: nvfuser-graph@megatron-cut-linears")
     ap.add_argument("--iters", type=int, default=100, help="samples per implementation")
     ap.add_argument("--dropout", type=float, default=None)
     ap.add_argument("--train", action="store_true", help="forward+backward (a training step) instead of forward")
@@ -66,7 +67,7 @@ def bench_main(args, argv) -> int:
         schedule.check(cfg, layout)
         if known_failure(cfg, layout, schedule):
             raise ValueError(known_failure(cfg, layout, schedule))
-        check_impls(impls or (), layout, args.train)
+        check_impls(impls or (), layout, args.train, schedule)
         check_writable(args.json, "--json")
         check_writable(args.png, "--png")
         if args.startup:

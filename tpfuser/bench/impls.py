@@ -41,8 +41,21 @@ NVFUSER_CALLED = {"nvfuser": {}, "nvfuser-nomesh": {"mesh": False}}
 NVFUSER_GRAPHED = {"nvfuser-graph": {}, "nvfuser-graph-fm": {"enable_options": ("fuse_matmul",)}}
 
 
+def split_impl(impl: str) -> tuple[str, str | None]:
+    """("nvfuser-graph", "megatron-cut-linears") for "nvfuser-graph@megatron-cut-linears":
+    an nvFuser implementation under a schedule of its own (a name or a JSON
+    file), beside the bench's; (impl, None) without an @."""
+    base, at, name = impl.partition("@")
+    return base, (name if at else None)
+
+
 def nvfuser_schedule(schedule, impl: str, graphed: bool = False):
-    """The schedule an nvFuser implementation runs: the bench's, changed as the implementation says."""
+    """The schedule an nvFuser implementation runs: the bench's (or the one its
+    name gives after an @), changed as the implementation says."""
+    from tpfuser.parallel.schedules import load_schedule
+    impl, own = split_impl(impl)
+    if own is not None:
+        schedule = load_schedule(own)
     changes = (NVFUSER_GRAPHED if graphed else NVFUSER_CALLED)[impl]
     if "enable_options" in changes:
         changes = {"enable_options": (*schedule.enable_options, *changes["enable_options"])}
@@ -60,8 +73,27 @@ def default_impls(layout: Layout) -> tuple[str, ...]:
         (("dtensor",) if layout.tp > 1 else ())
 
 
-def check_impls(impls, layout: Layout, train: bool = False) -> None:
+def check_impls(impls, layout: Layout, train: bool = False, schedule=None) -> None:
+    """Refuse an implementation the bench cannot time here, in one line naming it.
+    schedule: the bench's; an nvFuser implementation's own (after an @) must
+    put the block on the same mesh the same way (sequence-parallel or not)."""
     for impl in impls:
+        base, own = split_impl(impl)
+        if own is not None:
+            if base not in {**NVFUSER_CALLED, **NVFUSER_GRAPHED}:
+                raise ValueError(f"implementation {impl!r}: a schedule after @ is for an nvFuser implementation "
+                                 f"({', '.join({**NVFUSER_CALLED, **NVFUSER_GRAPHED})}), not {base!r}")
+            from tpfuser.parallel.schedules import load_schedule
+            try:
+                theirs = load_schedule(own)
+            except (ValueError, OSError) as e:
+                raise ValueError(f"implementation {impl!r}: {e}") from None
+            if schedule is not None and theirs.sequence_parallel != schedule.sequence_parallel:
+                said = {True: "sequence-parallel", False: "not sequence-parallel"}
+                raise ValueError(f"implementation {impl!r}: its schedule is {said[theirs.sequence_parallel]}, "
+                                 f"the bench's ({schedule.name}) {said[schedule.sequence_parallel]} (--sp): "
+                                 f"the input would not be split alike")
+            impl = base
         if impl not in IMPLS:
             raise ValueError(f"implementation {impl!r}: must be one of {IMPLS}")
         if impl == "dtensor" and layout.tp == 1:
@@ -72,6 +104,11 @@ def check_impls(impls, layout: Layout, train: bool = False) -> None:
                              f"not {'a training step' if train else f'a {layout.dp}x{layout.tp} mesh'}")
         if impl == "nvfuser-nomesh" and layout.world_size > 1:
             raise ValueError(f"implementation 'nvfuser-nomesh': one GPU only, the mesh is {layout.dp}x{layout.tp}")
+
+
+def _nvfuser(impls, kinds: dict) -> list[str]:
+    """The implementations asked for that are of `kinds` (NVFUSER_CALLED or _GRAPHED), with or without an @schedule."""
+    return [impl for impl in impls if split_impl(impl)[0] in kinds]
 
 
 def _step_offsets():
@@ -95,16 +132,14 @@ def forward_fns(cfg, ref, x, impls, layout, rank, groups, schedule):
     from tpfuser.runtime.block import ShardedBlock
     from tpfuser.runtime.graphs import GraphedForward
     fns = {}
-    for impl in NVFUSER_CALLED:
-        if impl in impls:
-            nv = ShardedBlock(cfg, layout, rank, schedule=nvfuser_schedule(schedule, impl)).load(ref.state_dict())
-            fns[impl] = lambda nv=nv, steps=_step_offsets(): nv(x, 1234, next(steps))["out"]
-    for impl in NVFUSER_GRAPHED:
-        if impl in impls:
-            block = ShardedBlock(cfg, layout, rank, schedule=nvfuser_schedule(schedule, impl, graphed=True))
-            block.load(ref.state_dict())
-            fns[impl] = lambda graphed=GraphedForward(block), steps=_step_offsets(): \
-                graphed(x, 1234, next(steps))["out"]
+    for impl in _nvfuser(impls, NVFUSER_CALLED):
+        nv = ShardedBlock(cfg, layout, rank, schedule=nvfuser_schedule(schedule, impl)).load(ref.state_dict())
+        fns[impl] = lambda nv=nv, steps=_step_offsets(): nv(x, 1234, next(steps))["out"]
+    for impl in _nvfuser(impls, NVFUSER_GRAPHED):
+        block = ShardedBlock(cfg, layout, rank, schedule=nvfuser_schedule(schedule, impl, graphed=True))
+        block.load(ref.state_dict())
+        fns[impl] = lambda graphed=GraphedForward(block), steps=_step_offsets(): \
+            graphed(x, 1234, next(steps))["out"]
     if "eager" in impls:
         fns["eager"] = lambda: sdpa_forward(ref, x, cfg.dropout)
     if "eager-graph" in impls:
@@ -171,12 +206,11 @@ def train_fns(cfg, ref, x, impls, layout, rank, groups, schedule):
     x = x.detach().requires_grad_(True)   # as inside a model: every implementation computes the input's gradient
     fns, memory, forwards, failed = {}, {}, {}, {}
     from tpfuser.runtime.module import TPBlock
-    for impl in NVFUSER_CALLED:
-        if impl in impls:
-            model = TPBlock(cfg, layout, rank, dp_group=groups.dp if groups else None,
-                            schedule=nvfuser_schedule(schedule, impl))
-            model.load_full_state_dict(ref.state_dict())
-            forwards[impl] = (lambda m=model: m(x), list(model.parameters()), False)   # its backward sums over dp
+    for impl in _nvfuser(impls, NVFUSER_CALLED):
+        model = TPBlock(cfg, layout, rank, dp_group=groups.dp if groups else None,
+                        schedule=nvfuser_schedule(schedule, impl))
+        model.load_full_state_dict(ref.state_dict())
+        forwards[impl] = (lambda m=model: m(x), list(model.parameters()), False)   # its backward sums over dp
     params = list(ref.parameters())
     if "eager" in impls:
         forwards["eager"] = (lambda: sdpa_forward(ref, x, cfg.dropout), params, True)
@@ -248,13 +282,12 @@ def _graphed_train_fns(cfg, ref, x, grad, impls, layout, rank, groups, schedule)
     from tpfuser.runtime.block import ShardedBlock
     from tpfuser.runtime.graphs import GraphedTrainStep
     out = {}
-    for impl in NVFUSER_GRAPHED:
-        if impl in impls:
-            block = ShardedBlock(cfg, layout, rank, dp_group=groups.dp if groups else None,
-                                 schedule=nvfuser_schedule(schedule, impl, graphed=True))
-            graphed = GraphedTrainStep(block.load(ref.state_dict()))
-            out[impl] = (lambda graphed=graphed, steps=_step_offsets(): graphed(x.detach(), grad, 1234, next(steps)),
-                         lambda graphed=graphed: graphed.pool_bytes)
+    for impl in _nvfuser(impls, NVFUSER_GRAPHED):
+        block = ShardedBlock(cfg, layout, rank, dp_group=groups.dp if groups else None,
+                             schedule=nvfuser_schedule(schedule, impl, graphed=True))
+        graphed = GraphedTrainStep(block.load(ref.state_dict()))
+        out[impl] = (lambda graphed=graphed, steps=_step_offsets(): graphed(x.detach(), grad, 1234, next(steps)),
+                     lambda graphed=graphed: graphed.pool_bytes)
     if "eager-graph" in impls:
         own = copy.deepcopy(ref)   # its gradients stay the graph's: the other steps set theirs to None
         params = list(own.parameters())

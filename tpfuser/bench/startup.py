@@ -64,19 +64,22 @@ def run_startup(preset_name: str, cfg, layout, schedule, impls=None, train: bool
                 timeout_s: float = CHILD_TIMEOUT_S, progress=print) -> dict:
     """Every implementation's forward (train: its training step), each in a fresh process."""
     impls = tuple(impls or STARTUP_IMPLS)
-    bad = [i for i in impls if i not in STARTUP_IMPLS]
+    bad = [i for i in impls if i.partition("@")[0] not in STARTUP_IMPLS or ("@" in i and not i.startswith("nvfuser@"))]
     if bad:
         raise ValueError(f"--startup --impl {bad[0]!r}: expected some of {', '.join(STARTUP_IMPLS)}")
     if layout.world_size != 1:
         raise ValueError(f"--startup: one GPU, a 1x1 mesh (got {layout.dp}x{layout.tp}); each rank of a larger "
                          f"mesh compiles the same way, its own fusions")
+    from tpfuser.parallel.schedules import load_schedule   # (torch: the child times its own imports)
     rows = []
     for impl in impls:
         for kind in ("train",) if train else ("forward",):
-            spec = {"impl": impl, "pass": kind, "preset": preset_name, "dropout": cfg.dropout,
-                    "dtype": cfg.dtype, "schedule": schedule.as_dict()}
+            base, _, own = impl.partition("@")   # nvfuser@NAME: under a schedule of its own
+            spec = {"impl": base, "pass": kind, "preset": preset_name, "dropout": cfg.dropout,
+                    "dtype": cfg.dtype, "schedule": (load_schedule(own) if own else schedule).as_dict()}
             progress(f"[{time.strftime('%H:%M:%S')}] startup: {impl} {kind} in a fresh process", file=sys.stderr)
-            rows.append(_run_child(spec, timeout_s))
+            rows.append({**_run_child(spec, timeout_s), "impl": impl,
+                         **({"schedule": spec["schedule"]["name"]} if base == "nvfuser" else {})})
             progress(f"  {_row_line(rows[-1])}", file=sys.stderr)
     import torch
     return {"kind": "startup", "preset": preset_name, "config": cfg.__dict__, "mesh": "1x1",
@@ -122,17 +125,18 @@ def _row_line(row: dict) -> str:
 
 def format_startup(rep: dict) -> str:
     """The report as a table: seconds to the first result, per implementation and pass."""
+    w = max([24, *(len(r["impl"]) for r in rep["rows"])])
     lines = [f"first call, {rep['preset']} {rep['config']['dtype']} dropout {rep['config']['dropout']}, "
              f"1x1, schedule {rep['schedule']['name']}, on {rep['gpu']} (a fresh process each)",
-             f"{'implementation':<24} {'pass':<8} {'import':>7} {'build':>7} {'1st call':>9} {'build+1st':>10} "
+             f"{'implementation':<{w}} {'pass':<8} {'import':>7} {'build':>7} {'1st call':>9} {'build+1st':>10} "
              f"{'segment':>8} {'kernels':>8} {'2nd call':>9}"]
     for r in rep["rows"]:
         if "error" in r:
-            lines.append(f"{r['impl']:<24} {r['pass']:<8} FAILED: {r['error'][:200]}")
+            lines.append(f"{r['impl']:<{w}} {r['pass']:<8} FAILED: {r['error'][:200]}")
             continue
         seg = f"{r['segmenting_s']:8.1f}" if "segmenting_s" in r else f"{'-':>8}"
         ker = f"{r['compiling_kernels_s']:8.1f}" if "compiling_kernels_s" in r else f"{'-':>8}"
-        lines.append(f"{r['impl']:<24} {r['pass']:<8} {r['import_s']:7.1f} {r['build_s']:7.1f} {r['first_call_s']:9.1f} "
+        lines.append(f"{r['impl']:<{w}} {r['pass']:<8} {r['import_s']:7.1f} {r['build_s']:7.1f} {r['first_call_s']:9.1f} "
                      f"{r['build_s'] + r['first_call_s']:10.1f} {seg} {ker} {r['second_call_s'] * 1e3:7.1f}ms")
     lines.append("seconds; segment and kernels: nvFuser's first call split by its trace (the rest: everything else)")
     return "\n".join(lines)

@@ -1,0 +1,122 @@
+"""Where a fresh process's first training step (or forward) goes, fusion by fusion.
+
+One process: the module's construction and weights timed apart, then the first
+call with each fusion's first execute timed (GPU synchronized), and nvFuser's
+trace split per execute: segmenting, compileFusionParallel's wall time, the
+kernels it compiled, NVRTC's summed and longest time. JSON on stdout.
+
+    python3 tools/probes/first_call_probe.py --preset nanogpt --schedule megatron-cut-linears [--forward]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+_EVENT = re.compile(r'\{ "name": "(?P<name>[^"]*)", "ph": "(?P<ph>[BE])", "pid": \d+, "tid": (?P<tid>\d+), '
+                    r'"ts": (?P<ts>[0-9.]+) \}')
+CALLING = "FusionExecutorCache::runFusionWithInputs"
+PHASES = {"SegmentCandidateFinder::SegmentCandidateFinder": "segmenting_s",
+          "FusionKernelRuntime::compileFusionParallel": "compile_wall_s"}
+
+
+def split(text: str) -> list[dict]:
+    events = [(m["name"], m["ph"], m["tid"], float(m["ts"])) for m in _EVENT.finditer(text)]
+    caller = next((tid for name, _, tid, _ in events if name == CALLING), None)
+    spans, stacks = [], {}
+    for name, ph, tid, ts in events:   # every closed scope: (name, tid, begin, end, outermost of its name)
+        stack = stacks.setdefault(tid, [])
+        if ph == "B":
+            stack.append((name, ts))
+        elif stack:
+            opened, begun = stack.pop()
+            spans.append((opened, tid, begun, ts, not any(n == opened for n, _ in stack)))
+    calls = sorted((b, e) for n, tid, b, e, outer in spans if n == CALLING and tid == caller and outer)
+    rows = []
+    for b, e in calls:
+        inside = [(n, tid, sb, se, outer) for n, tid, sb, se, outer in spans if sb >= b and se <= e]
+        row = {"wall_s": (e - b) * 1e-6}
+        for scope, key in PHASES.items():
+            row[key] = sum(se - sb for n, tid, sb, se, outer in inside if n == scope and tid == caller and outer) * 1e-6
+        nvrtc = [se - sb for n, _, sb, se, _ in inside if n == "executor_utils::NVRTC"]
+        row["kernels"] = sum(1 for n, *_ in inside if n == "KernelExecutor::compile")
+        row["nvrtc_sum_s"], row["nvrtc_max_s"] = sum(nvrtc) * 1e-6, max(nvrtc, default=0.0) * 1e-6
+        row["kernel_compile_sum_s"] = sum(se - sb for n, _, sb, se, _ in inside if n == "KernelExecutor::compile") * 1e-6
+        rows.append(row)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="nanogpt")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--schedule", default="megatron")
+    ap.add_argument("--forward", action="store_true", help="the forward alone, not the training step")
+    args = ap.parse_args()
+    folder = tempfile.mkdtemp(prefix="first-call-")
+    trace = os.path.join(folder, "trace.json")
+    os.environ["NVFUSER_TRACE"] = trace
+    clock = [time.perf_counter()]
+
+    def lap():
+        import torch
+        torch.cuda.synchronize()
+        now = time.perf_counter()
+        spent, clock[0] = now - clock[0], now
+        return spent
+
+    import torch
+    import nvfuser_direct  # noqa: F401
+    from tpfuser.config import preset
+    from tpfuser.runtime.module import TPBlock
+    from tpfuser.verify.reference import make_block, make_input
+    out = {"schedule": args.schedule, "pass": "forward" if args.forward else "train",
+           "NVFUSER_NUM_THREADS": os.environ.get("NVFUSER_NUM_THREADS", "(8)"), "import_s": lap()}
+    cfg = preset(args.preset, dtype=args.dtype, dropout=0.1)
+    ref = make_block(cfg, dtype=torch.bfloat16, device="cuda", drawn_on="cuda")
+    x = make_input(cfg, dtype=torch.bfloat16, device="cuda", drawn_on="cuda")
+    grad = torch.randn_like(x)
+    out["setup_s"] = lap()
+    model = TPBlock(cfg, schedule=args.schedule)
+    out["construct_s"] = lap()
+    model.load_full_state_dict(ref.state_dict())
+    out["load_s"] = lap()
+    runner = model.runner
+    order = []
+    for kind in ("forward",) if args.forward else ("train", "backward"):
+        for piece in runner.pass_of(kind).pieces:
+            def timed(inputs, _execute=piece.fd.execute, _name=f"{kind}:{piece.point or 'start'}", **kw):
+                lap()
+                result = _execute(inputs, **kw)
+                order.append((_name, lap()))
+                return result
+            piece.fd.execute = timed
+    xg = x.detach().requires_grad_(True)
+    begun = time.perf_counter()
+    if args.forward:
+        runner(x, 1234, 0)   # as bench --startup's forward: dropout on
+    else:
+        model(xg).backward(grad)
+    lap()
+    out["first_call_s"] = time.perf_counter() - begun
+    ctypes = __import__("ctypes")
+    ctypes.CDLL(None).fflush(None)
+    with open(trace, errors="replace") as f:
+        rows = split(f.read())
+    out["pieces"] = [{"piece": name, "execute_s": s, **(rows[i] if i < len(rows) else {})}
+                     for i, (name, s) in enumerate(order)]
+    for key in ("segmenting_s", "compile_wall_s", "nvrtc_sum_s", "kernel_compile_sum_s", "kernels"):
+        out[key] = sum(p.get(key, 0) for p in out["pieces"])
+    print(json.dumps(out), flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
