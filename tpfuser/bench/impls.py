@@ -17,6 +17,7 @@ from tpfuser.bench.peers import dtensor_block
 from tpfuser.bench.report import WORK_ONLY
 from tpfuser.config import Layout
 from tpfuser.dist.world import sum_over_group
+from tpfuser.parallel.schedules import load_schedule
 from tpfuser.verify.reference import sdpa_forward
 # Deferred: the runtime (tpfuser.runtime.block, .graphs, .module: nvFuser) is
 # imported where a block is made, not here: bench's options and refusals
@@ -52,7 +53,6 @@ def split_impl(impl: str) -> tuple[str, str | None]:
 def nvfuser_schedule(schedule, impl: str, graphed: bool = False):
     """The schedule an nvFuser implementation runs: the bench's (or the one its
     name gives after an @), changed as the implementation says."""
-    from tpfuser.parallel.schedules import load_schedule
     impl, own = split_impl(impl)
     if own is not None:
         schedule = load_schedule(own)
@@ -83,7 +83,6 @@ def check_impls(impls, layout: Layout, train: bool = False, schedule=None) -> No
             if base not in {**NVFUSER_CALLED, **NVFUSER_GRAPHED}:
                 raise ValueError(f"implementation {impl!r}: a schedule after @ is for an nvFuser implementation "
                                  f"({', '.join({**NVFUSER_CALLED, **NVFUSER_GRAPHED})}), not {base!r}")
-            from tpfuser.parallel.schedules import load_schedule
             try:
                 theirs = load_schedule(own)
             except (ValueError, OSError) as e:
