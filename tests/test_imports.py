@@ -60,7 +60,7 @@ DEFERRABLE = ("nvfuser_direct", "torch.distributed", "torch.profiler", "matplotl
 NVFUSER_MODULES = {"tpfuser.block.backward", "tpfuser.block.forward", "tpfuser.block.inputs", "tpfuser.block.ops",
                    "tpfuser.block.pieces", "tpfuser.parallel.overlapped", "tpfuser.parallel.schedule",
                    "tpfuser.runtime.block", "tpfuser.runtime.chunked", "tpfuser.runtime.graphs",
-                   "tpfuser.runtime.module", "tpfuser.verify.check", "tpfuser.verify.inspect",
+                   "tpfuser.runtime.module", "tpfuser.runtime.shared", "tpfuser.verify.check", "tpfuser.verify.inspect",
                    "tpfuser.verify.oracle"}
 # More deferred imports, by file, in two files another change holds at present:
 # startup.py's child process times its own imports (import_s), so its _child's

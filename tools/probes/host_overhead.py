@@ -17,11 +17,13 @@ import torch
 from tpfuser.config import Layout, preset
 from tpfuser.verify.reference import make_block
 from tpfuser.runtime.block import ShardedBlock
+from tpfuser.runtime.shared import forget_fusions
 
 
 def faked_block(name: str, layout: Layout = Layout(), schedule=None) -> ShardedBlock:
     """A block on the CPU (under `schedule`, default the layout's) whose fusions return zeros at once."""
     cfg = preset(name, dtype="fp32")
+    forget_fusions()   # its passes its own: faked here, they must not be another block's (runtime/shared.py shares them)
     block = ShardedBlock(cfg, layout, 0, device=torch.device("cpu"), schedule=schedule)
     block._validate = lambda *args: None   # it asks for a CUDA device
     block.load(make_block(cfg).state_dict())
@@ -29,6 +31,7 @@ def faked_block(name: str, layout: Layout = Layout(), schedule=None) -> ShardedB
         for piece in block.pass_of(kind, True).pieces:
             outs = [torch.zeros(1) for _ in piece.outputs]
             piece.fd.execute = (lambda o: lambda inputs, *args, **kwargs: o)(outs)
+    forget_fusions()   # nor another block's later
     return block
 
 

@@ -24,10 +24,11 @@ from tpfuser.block.tensors import BY_NAME, MASKS, PARAM_NAMES, memory_order, par
 from tpfuser.config import BlockConfig, Layout, check_config
 from tpfuser.dist.world import describe_single_process, sum_over_group
 from tpfuser.parallel.placements import PARAM_PLACEMENTS, local_shape, placements
-from tpfuser.parallel.schedule import Pass, build_pass
+from tpfuser.parallel.schedule import Pass
 from tpfuser.parallel.schedules import Schedule, default_schedule, known_failure, load_schedule
 from tpfuser.parallel.shard import local_slice, slice_starts
 from tpfuser.runtime.chunked import ChunkedLinears
+from tpfuser.runtime.shared import shared_pass
 from tpfuser.runtime.weights import check_finite, check_tensor, from_hf_gpt2, rank_shards
 
 MASKED = {stream: mask.name for stream, mask in MASKS.items()}   # the tensor each dropout stream masks
@@ -196,8 +197,8 @@ class ShardedBlock:
         key = (kind, cfg.dropout > 0)
         if key not in self._passes:
             layout = self.layout if self.schedule.mesh else None
-            self._passes[key] = build_pass(cfg, self.form, kind, layout, check=self.check and kind == "forward",
-                                           dp_rank=self.dp_rank, split_unit_axes=self.schedule.split_unit_axes)
+            self._passes[key] = shared_pass(cfg, kind, layout, self.check and kind == "forward", self.dp_rank,
+                                            self.schedule, self.device)
         return self._passes[key]
 
     def local_param_shape(self, name: str) -> tuple[int, ...]:
