@@ -31,6 +31,7 @@ from tpfuser.parallel.report import format_plan, plan_report
 from tpfuser.parallel.schedule_options import resolve_schedule, schedule_args
 from tpfuser.parallel.schedules import known_failure
 from tpfuser.predict.command import add_predict_arguments, check_predict_arguments, predict_command
+from tpfuser.verify.dtypes import check_side_by_side, side_by_side_refusal
 from tpfuser.verify.meshes import run_checks
 
 # Deferred to the commands that run fusions: tpfuser.parallel.schedule and
@@ -149,6 +150,12 @@ def cmd_check(args) -> int:
         return relaunch(layout, share_gpu=args.share_gpu, schedule=schedule)
     from tpfuser.runtime.chunked import check_connections
     check_connections(schedule)
+    if len(cfgs) > 1 and layout.world_size == 1 and not in_launcher():
+        free = torch.cuda.mem_get_info(0)[0] if _cuda_count() > 0 else None
+        why = side_by_side_refusal(cfgs, layout, free)
+        if why is None:
+            return check_side_by_side(cfgs, layout, args)
+        print(f"checking {', '.join(cfg.dtype for cfg in cfgs)} one after another: {why}", file=sys.stderr)
     return run_checks(cfgs, layout, args)
 
 

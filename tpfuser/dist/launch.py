@@ -195,22 +195,39 @@ def run_bounded(cmd: list[str], env: dict[str, str], timeout_s: float, grace_s: 
     (timeout(1)'s) and SIGHUP (a closed terminal) end them too, then raise
     (KeyboardInterrupt, Ended); a SIGKILL of this process ends cmd by its
     parent-death signal. grace_s: between SIGTERM and SIGKILL (GRACE_S)."""
+    return run_bounded_all([cmd], env, timeout_s, grace_s)[0]
+
+
+def run_bounded_all(cmds: list[list[str]], env: dict[str, str], timeout_s: float, grace_s: float | None = None,
+                    stdouts: list | None = None) -> list[int | None]:
+    """run_bounded for several commands at once (side by side, one bound for
+    all): each one's exit status, None for those still running at the bound
+    (ended, with everything they started); a signal to this process ends them
+    all. stdouts: a file for each command's standard output (default: ours)."""
     grace_s = GRACE_S if grace_s is None else grace_s
     env = {**env, STACKS_AT_VAR: f"{time.time() + stacks_due_s(timeout_s):.1f}"}
     previous = {}
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, _raise_ended) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    started: list[subprocess.Popen] = []
     try:
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
-        try:
-            return proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _report_ranks(procs.tree(proc.pid), WATCH_S)
-            _end_all(proc, grace_s)
-            return None
-        except BaseException:
-            _end_all(proc, grace_s)
-            raise
+        for i, cmd in enumerate(cmds):
+            started.append(subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent,
+                                            stdout=stdouts[i] if stdouts else None))
+        deadline = time.monotonic() + timeout_s
+        while any(proc.poll() is None for proc in started) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        late = [proc for proc in started if proc.poll() is None]
+        if late:
+            _report_ranks({pid: t for proc in late for pid, t in procs.tree(proc.pid).items()}, WATCH_S)
+            for proc in late:
+                _end_all(proc, grace_s)
+        return [None if proc in late else proc.returncode for proc in started]
+    except BaseException:
+        for proc in started:
+            if proc.poll() is None:
+                _end_all(proc, grace_s)
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
