@@ -312,3 +312,18 @@ def test_startup_runs_an_nvfuser_impl_under_its_own_schedule(monkeypatch):
     assert [r.get("schedule") for r in rep["rows"]] == ["megatron", "megatron-cut-linears", None]
     with pytest.raises(ValueError, match="compile@megatron"):
         startup.run_startup("tiny", preset("tiny"), Layout(), SCHEDULES["megatron"], ["compile@megatron"])
+
+
+def test_the_table_says_the_warm_up_and_keeps_long_names_aligned():
+    """A row named impl@schedule is longer than the column was; the warm-up
+    (building, then each implementation's warm-up calls) gets a line."""
+    rep = copy.deepcopy(json.load(open(REPORTS[0])))
+    long = "nvfuser-graph@megatron-cut-linears"
+    rep["results"][long] = dict(next(iter(rep["results"].values())))
+    rep["warmup_s"] = {"built_s": 3.25, "each_s": {long: 9.5, "eager": 0.5}, "total_s": 13.25}
+    table = format_table(rep).splitlines()
+    rows = [line for line in table if line.split() and line.split()[0] in rep["results"]]
+    assert len(rows) == len(rep["results"])
+    assert len({line.index(f"{rep['results'][line.split()[0]]['median_ms']:.3f}") + len(
+        f"{rep['results'][line.split()[0]]['median_ms']:.3f}") for line in rows}) == 1   # one right edge
+    assert table[-1] == f"warm-up 13.2 s (building 3.2, then each: {long} 9.5, eager 0.5)"

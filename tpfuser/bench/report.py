@@ -59,13 +59,14 @@ def add_ratios(rows: dict) -> str | None:
 
 
 def format_table(rep: dict) -> str:
+    w = max([24, *(len(n) + 1 for n in (*rep["results"], *rep.get("failed", {})))])   # impl@schedule names
     lines = [f"{rep['preset']} {rep['pass']} on {rep['gpu']} (mesh {rep['mesh']}): "
              f"floor {rep['compute_floor_ms']:.3f} ms at {rep['matmul_tflops_measured']:.0f} TFLOP/s measured"
              + (f"; copy {rep['copy_gbps_measured']:.0f} GB/s" if "copy_gbps_measured" in rep else "")
              + (f"; communication floor {rep['comm_floor_ms']:.3f} ms at {rep['allreduce_busbw_gbps']:.0f} GB/s "
                 f"all-reduce bus bandwidth over tp" if "comm_floor_ms" in rep else ""),
              (f"vs peer: to {rep['best_peer']}, the fastest peer\n" if rep.get("best_peer") else "") +
-             f"{'impl':<24}{'median ms':>10}{'min':>8}{'max':>8}{'TFLOP/s':>9}{'of floor':>9}{'vs eager':>9}{'vs peer':>8}"]
+             f"{'impl':<{w}}{'median ms':>10}{'min':>8}{'max':>8}{'TFLOP/s':>9}{'of floor':>9}{'vs eager':>9}{'vs peer':>8}"]
     if rep.get("gpus_shared"):
         lines[0] += (f"\nthe {rep['mesh']} ranks shared {rep['gpus_shared']} GPU(s) (--share-gpu): "
                      f"these timings are not speed figures")
@@ -75,7 +76,7 @@ def format_table(rep: dict) -> str:
     if any("peak_mib_above_baseline" in r for r in rep["results"].values()):
         lines[1] += f"{'peak MiB':>10}{'saved MiB':>10}{'pool MiB':>10}{'held MiB':>10}"
     for name, r in rep["results"].items():
-        line = (f"{name:<24}{r['median_ms']:>10.3f}{r['min_ms']:>8.3f}{r['max_ms']:>8.3f}{r['tflops']:>9.0f}"
+        line = (f"{name:<{w}}{r['median_ms']:>10.3f}{r['min_ms']:>8.3f}{r['max_ms']:>8.3f}{r['tflops']:>9.0f}"
                 f"{r['fraction_of_matmul_rate']:>9.2f}{r.get('ratio_to_eager', float('nan')):>9.2f}"
                 f"{r.get('ratio_to_best_peer', float('nan')):>8.2f}" + (f"{r['host_ms']:>9.3f}" if host else ""))
         if "peak_mib_above_baseline" in r:
@@ -83,13 +84,17 @@ def format_table(rep: dict) -> str:
                      f"{r.get('graph_pool_mib', float('nan')):>10.1f}{r.get('reserved_mib', float('nan')):>10.1f}")
         lines.append(line)
     for name, why in rep.get("failed", {}).items():
-        lines.append(f"{name:<24}failed: {why[:160]}")
+        lines.append(f"{name:<{w}}failed: {why[:160]}")
     for name, r in rep["results"].items():
         if "profile" in r:
             p = r["profile"]
-            lines.append(f"{name:<24}{p['kernels_per_call']:.0f} kernels a call, GPU busy {p['kernel_ms_per_call']:.3f} ms, "
+            lines.append(f"{name:<{w}}{p['kernels_per_call']:.0f} kernels a call, GPU busy {p['kernel_ms_per_call']:.3f} ms, "
                          f"idle {p['idle_ms_per_call']:.3f} ms; most: " +
                          ", ".join(f"{k[:40]} {ms:.3f}" for k, ms in p["top_kernels_ms_per_call"][:3]) +
                          ("; idle most before: " + ", ".join(f"{k[:40]} {ms:.3f}" for k, ms in p["idle_before_ms_per_call"])
                           if p.get("idle_before_ms_per_call") else ""))
+    warm = rep.get("warmup_s")
+    if warm:
+        lines.append(f"warm-up {warm['total_s']:.1f} s (building {warm['built_s']:.1f}, then each: "
+                     + ", ".join(f"{n} {t:.1f}" for n, t in warm["each_s"].items()) + ")")
     return "\n".join(lines)

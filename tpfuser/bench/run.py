@@ -75,21 +75,30 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
         if progress:
             print(f"[{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
     phase("building and warming up")
+    began = time.perf_counter()
     if not train:
         fns = forward_fns(cfg, ref, x, impls, layout, rank, groups, schedule)
         ctx = torch.no_grad()
     else:
         fns, memory, failed = train_fns(cfg, ref, x, impls, layout, rank, groups, schedule)
         ctx = torch.enable_grad()
+    warm = {"built_s": time.perf_counter() - began, "each_s": {}}   # (the training steps' first calls are built's)
     with ctx:
         for name, fn in list(fns.items()):
+            began_one = time.perf_counter()
             try:
                 for _ in range(warmup):
                     fn()
+                torch.cuda.synchronize()
             except Exception as e:  # e.g. nvFuser failing to compile: report it, time the others
                 failed[name] = failure(e)
                 del fns[name]
+            warm["each_s"][name] = time.perf_counter() - began_one
         torch.cuda.synchronize()
+        warm["total_s"] = time.perf_counter() - began
+        if progress:
+            print(f"  warm-up {warm['total_s']:.1f} s: building {warm['built_s']:.1f}, then "
+                  + ", ".join(f"{n} {t:.1f}" for n, t in warm["each_s"].items()), file=sys.stderr, flush=True)
         phase(f"timing: {iters} rounds of {', '.join(fns)}")
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         times = {name: [] for name in fns}
@@ -133,6 +142,7 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
                      + "; host_ms: the median time to issue a call (rank 0's)",
            "matmul_tflops_measured": rate / 1e12, "copy_gbps_measured": bandwidth / 1e9, "matmul_gflop": flops / 1e9,
            "compute_floor_ms": floor_ms, "best_peer": best_peer, "results": rows, "failed": failed,
+           "warmup_s": warm,
            "schedule": schedule.as_dict()}
     if schedule.chunked() and torch.cuda.device_count() < layout.world_size:
         rep["note"] = ("ranks share a GPU: the times say what chunking costs the GEMMs at a rank's shapes, "
