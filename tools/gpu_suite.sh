@@ -35,6 +35,8 @@
 #           pass train or forward, threads NVFUSER_NUM_THREADS or - for nvFuser's default); bound FIRSTCALL_S each
 #   calibrate  tools/calibrate.py for CALIBRATE_PRESETS (default "gpt3 nanogpt") at tp 1 2 4 5 8, into
 #           $OUT/calibration.json (CALIBRATE_ARGS: more arguments, e.g. --no-beside); bound CALIBRATE_S
+#   main    `make`'s job (`tpfuser main`: check of both dtypes, the default preset, 1x1), timed whole into
+#           $OUT/main.json (wall seconds, exit code); MAIN_ARGS: more arguments; bound MAIN_S. Alone on the machine
 #   quick   correctness at the default and the overlapped schedules, side by side: nanogpt 1x1, tiny 1x2 and
 #           2x2 (ranks sharing the GPU), TP and SP, fp32 and bf16, forward and backward, collectives as planned
 #           (QUICK_JOBS picks some: "nano11 tiny12 tiny12sp tiny22 ovl12 ovl12sp"); bound QUICK_S
@@ -284,6 +286,15 @@ step_firstcall() {
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], 'first call %.1f s, construct %.1f, load %.1f, segmenting %.1f, compile wall %.1f, kernels %d, nvrtc sum %.1f' % (d['first_call_s'], d['construct_s'], d['load_s'], d['segmenting_s'], d['compile_wall_s'], d['kernels'], d['nvrtc_sum_s']))" "$OUT/$tag.json" "$tag" 2>&1 | tail -1
   done
 }
+step_main() {
+  echo "== make's job, timed: tpfuser main ${MAIN_ARGS:-}"
+  local begun=$SECONDS rc
+  T ${MAIN_S:-300} -- python3 -m tpfuser.cli main ${MAIN_ARGS:-} > "$OUT/main.txt" 2>&1; rc=$?
+  python3 -c "import json,sys; json.dump({'command': 'tpfuser main ' + sys.argv[3], 'wall_s': int(sys.argv[1]), 'rc': int(sys.argv[2])}, open(sys.argv[4], 'w'))" \
+    $((SECONDS - begun)) $rc "${MAIN_ARGS:-}" "$OUT/main.json"
+  grep -v "^rank 0:" "$OUT/main.txt" | tail -12; echo "tpfuser main: $((SECONDS - begun)) s, exit $rc"
+}
+
 step_calibrate() {
   echo "== calibration: one rank's pieces timed on this GPU (tools/calibrate.py ${CALIBRATE_PRESETS:-gpt3 nanogpt})"
   T ${CALIBRATE_S:-300} -- python3 tools/calibrate.py --preset ${CALIBRATE_PRESETS:-gpt3 nanogpt} --tp 1 2 4 5 8 \

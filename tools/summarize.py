@@ -98,6 +98,21 @@ if cases:
     if singles:
         bad = [f"{r['dtype']}:{r['outputs'][0]}" for r in singles if not r["ok"]]
         rows.append(("meshed backward, one output each", f"{len(singles) - len(bad)}/{len(singles)} ok; failing: {', '.join(bad)}"))
+main = os.path.join(out, "main.json")   # make's job, timed (step main)
+if os.path.exists(main):
+    summary["main"] = json.load(open(main))
+    rows.append(("make's job (tpfuser main)", f"{summary['main']['wall_s']} s, exit {summary['main']['rc']}"))
+for path in sorted(glob.glob(os.path.join(out, "firstcall_*.json"))):   # tools/probes/first_call_probe.py
+    tag = os.path.basename(path)[len("firstcall_"):-len(".json")]
+    try:
+        d = json.load(open(path))
+    except ValueError:
+        rows.append((f"first call {tag}", "no result (its .err says why)"))
+        continue
+    summary.setdefault("firstcall", {})[tag] = d
+    rows.append((f"first call {tag}", f"{d['first_call_s']:.1f} s after construct {d['construct_s']:.1f} + load "
+                 f"{d['load_s']:.1f}; segmenting {d['segmenting_s']:.1f}, compile wall {d['compile_wall_s']:.1f}, "
+                 f"{d['kernels']} kernels, NVRTC {d['nvrtc_sum_s']:.1f} summed"))
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 width = max(len(k) for k, _ in rows) if rows else 10
 for k, v in rows:

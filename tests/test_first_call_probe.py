@@ -1,0 +1,31 @@
+"""tools/probes/first_call_probe.py's trace split: per execute on the calling
+thread, its segmenting and compile wall time (the caller's), and the kernels
+compiled and NVRTC's time on any thread inside its window."""
+import sys
+
+sys.path.insert(0, "tools/probes")
+import first_call_probe  # noqa: E402
+
+EVENT = '{{ "name": "{}", "ph": "{}", "pid": 1, "tid": {}, "ts": {} }},'
+RUN, SEG, COMPILE = first_call_probe.CALLING, "SegmentCandidateFinder::SegmentCandidateFinder", \
+    "FusionKernelRuntime::compileFusionParallel"
+KERNEL, NVRTC = "KernelExecutor::compile", "executor_utils::NVRTC"
+
+
+def test_each_execute_gets_its_own_segmenting_compile_and_kernels():
+    events = [(RUN, "B", 7, 0), (SEG, "B", 7, 100), (SEG, "E", 7, 1_000_100),
+              (COMPILE, "B", 7, 1_000_200),
+              (COMPILE, "B", 9, 1_000_300), (KERNEL, "B", 9, 1_000_400), (NVRTC, "B", 9, 1_000_500),
+              (NVRTC, "E", 9, 1_500_500), (KERNEL, "E", 9, 1_600_000), (COMPILE, "E", 9, 1_600_100),
+              (COMPILE, "B", 11, 1_000_300), (KERNEL, "B", 11, 1_000_400), (NVRTC, "B", 11, 1_000_500),
+              (NVRTC, "E", 11, 1_250_500), (KERNEL, "E", 11, 1_300_000), (COMPILE, "E", 11, 1_300_100),
+              (COMPILE, "E", 7, 1_700_200), (RUN, "E", 7, 2_000_000),
+              (RUN, "B", 7, 3_000_000), (COMPILE, "B", 7, 3_000_100), (KERNEL, "B", 7, 3_000_200),
+              (NVRTC, "B", 7, 3_000_300), (NVRTC, "E", 7, 3_100_300), (KERNEL, "E", 7, 3_200_000),
+              (COMPILE, "E", 7, 3_200_100), (RUN, "E", 7, 3_500_000)]
+    text = "{\n\"traceEvents\": [\n" + "\n".join(EVENT.format(*e) for e in events)
+    first, second = first_call_probe.split(text)
+    assert abs(first["wall_s"] - 2.0) < 1e-9 and abs(first["segmenting_s"] - 1.0) < 1e-9
+    assert abs(first["compile_wall_s"] - 0.7) < 1e-9   # the caller's, not the workers' 0.6 + 0.3 on top
+    assert first["kernels"] == 2 and abs(first["nvrtc_sum_s"] - 0.75) < 1e-9 and abs(first["nvrtc_max_s"] - 0.5) < 1e-9
+    assert second["kernels"] == 1 and second["segmenting_s"] == 0 and abs(second["wall_s"] - 0.5) < 1e-9
