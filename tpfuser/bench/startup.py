@@ -24,6 +24,7 @@ import time
 
 STARTUP_IMPLS = ("nvfuser", "compile", "compile-reduce-overhead", "eager")
 CHILD_TIMEOUT_S = 600
+CACHE_VAR = "TPFUSER_KERNEL_CACHE"   # runtime/kernel_cache.py's (not imported: it imports torch, the child times that)
 _EVENT = re.compile(r'\{ "name": "(?P<name>[^"]*)", "ph": "(?P<ph>[BE])", "pid": \d+, "tid": (?P<tid>\d+), '
                     r'"ts": (?P<ts>[0-9.]+) \}')
 SEGMENTING = "SegmentCandidateFinder::SegmentCandidateFinder"
@@ -93,6 +94,7 @@ def _run_child(spec: dict, timeout_s: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="tpfuser-startup-") as folder:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(folder, "inductor"),
                    TRITON_CACHE_DIR=os.path.join(folder, "triton"), PYTHONUNBUFFERED="1")
+        env.pop(CACHE_VAR, None)   # cold: nvFuser's kernels compiled, not read back (runtime/kernel_cache.py)
         trace = os.path.join(folder, "nvfuser_trace.json")
         if spec["impl"] == "nvfuser":
             env["NVFUSER_TRACE"] = trace

@@ -27,8 +27,8 @@ from tpfuser.parallel.placements import PARAM_PLACEMENTS, local_shape, placement
 from tpfuser.parallel.schedule import Pass
 from tpfuser.parallel.schedules import Schedule, default_schedule, known_failure, load_schedule
 from tpfuser.parallel.shard import local_slice, slice_starts
+from tpfuser.runtime import kernel_cache, shared
 from tpfuser.runtime.chunked import ChunkedLinears
-from tpfuser.runtime.shared import shared_pass
 from tpfuser.runtime.weights import check_finite, check_tensor, from_hf_gpt2, rank_shards
 
 MASKED = {stream: mask.name for stream, mask in MASKS.items()}   # the tensor each dropout stream masks
@@ -197,8 +197,8 @@ class ShardedBlock:
         key = (kind, cfg.dropout > 0)
         if key not in self._passes:
             layout = self.layout if self.schedule.mesh else None
-            self._passes[key] = shared_pass(cfg, kind, layout, self.check and kind == "forward", self.dp_rank,
-                                            self.schedule, self.device)
+            self._passes[key] = shared.shared_pass(cfg, kind, layout, self.check and kind == "forward", self.dp_rank,
+                                                   self.schedule, self.device)
         return self._passes[key]
 
     def local_param_shape(self, name: str) -> tuple[int, ...]:
@@ -279,12 +279,12 @@ class ShardedBlock:
         return {name: env[name] for name in run.outputs}
 
     def _piece_options(self, run: Pass, piece) -> dict:
-        """fd.execute's option keywords for one fusion: the pass's own, then the schedule's."""
+        """fd.execute's option keywords for one fusion: the pass's own, the schedule's, the kernel cache's."""
         key = (run.kind, piece.point)
         if key not in self._options:
-            mine = self.schedule.options(piece.point)
-            self._options[key] = {k: [*run.options.get(k, []), *mine.get(k, [])]
-                                  for k in {*run.options, *mine}}
+            mine, cache = self.schedule.options(piece.point), kernel_cache.options()
+            self._options[key] = {k: [*run.options.get(k, []), *mine.get(k, []), *cache.get(k, [])]
+                                  for k in {*run.options, *mine, *cache}}
         return self._options[key]
 
     def _forward(self, kind, x, params, rng_seed, rng_offset, dropout) -> dict[str, torch.Tensor]:
