@@ -200,16 +200,10 @@ def test_the_commit_says_when_the_files_are_not_heads(tmp_path):
     assert git_commit(pkg) == head + " + changes"
 
 
-def test_each_nvfuser_impl_builds_its_block_with_its_options(monkeypatch):
-    """bench's nvFuser implementations differ only in the schedule their
-    ShardedBlock runs (mesh, nvFuser options, device keys), the bench's
-    schedule changed as each says: recorded here, no GPU. The unit-axis splits
-    (the nvfuser-split impls, gone) are the bench's schedule's split_unit_axes."""
+def _record_blocks(monkeypatch):
+    """The bench's blocks made as recorders of what they were asked to be (no nvFuser run)."""
     import tpfuser.runtime.block
     import tpfuser.runtime.graphs
-    from tpfuser.bench.impls import IMPLS, NVFUSER_CALLED, NVFUSER_GRAPHED, check_impls, forward_fns
-    from tpfuser.config import Layout, preset
-    from tpfuser.parallel.schedules import SCHEDULES
 
     class Recorder:
         def __init__(self, cfg, layout, rank, **options):
@@ -220,6 +214,18 @@ def test_each_nvfuser_impl_builds_its_block_with_its_options(monkeypatch):
 
     monkeypatch.setattr(tpfuser.runtime.block, "ShardedBlock", Recorder)
     monkeypatch.setattr(tpfuser.runtime.graphs, "GraphedForward", lambda block: block)
+
+
+def test_each_nvfuser_impl_builds_its_block_with_its_options(monkeypatch):
+    """bench's nvFuser implementations differ only in the schedule their
+    ShardedBlock runs (mesh, nvFuser options, device keys), the bench's
+    schedule changed as each says: recorded here, no GPU. The unit-axis splits
+    (the nvfuser-split impls, gone) are the bench's schedule's split_unit_axes."""
+    from tpfuser.bench.impls import IMPLS, NVFUSER_CALLED, NVFUSER_GRAPHED, check_impls, forward_fns
+    from tpfuser.config import Layout, preset
+    from tpfuser.parallel.schedules import SCHEDULES
+
+    _record_blocks(monkeypatch)
     impls = [*NVFUSER_CALLED, *NVFUSER_GRAPHED]
     check_impls(impls, Layout())
     assert set(impls) <= set(IMPLS)
@@ -261,22 +267,11 @@ def test_an_nvfuser_impl_may_run_its_own_schedule_beside_the_benchs(monkeypatch,
     """impl@schedule: the same implementation under another schedule, timed in
     the same loop (a name or a JSON file); refused in one line for a peer, an
     unknown schedule, or one that splits the input otherwise (SP or not)."""
-    import json
-    import tpfuser.runtime.block
-    import tpfuser.runtime.graphs
     from tpfuser.bench.impls import check_impls, forward_fns, split_impl
     from tpfuser.config import Layout, preset
     from tpfuser.parallel.schedules import SCHEDULES
 
-    class Recorder:
-        def __init__(self, cfg, layout, rank, **options):
-            self.options = options
-
-        def load(self, state):
-            return self
-
-    monkeypatch.setattr(tpfuser.runtime.block, "ShardedBlock", Recorder)
-    monkeypatch.setattr(tpfuser.runtime.graphs, "GraphedForward", lambda block: block)
+    _record_blocks(monkeypatch)
     own = tmp_path / "mine.json"
     own.write_text(json.dumps({"base": "megatron", "name": "mine", "cuts": []}))
     impls = ["nvfuser-graph", "nvfuser-graph@megatron-cut-linears", f"nvfuser@{own}"]
