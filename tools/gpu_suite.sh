@@ -32,7 +32,8 @@
 #           files); gpt3's forward, nvFuser and torch.compile. Alone on the machine (compiles are CPU-bound)
 #   firstcall  tools/probes/first_call_probe.py, one fresh process each, one after another: the first call
 #           fusion by fusion (segmenting, compile, kernels) for each of FIRSTCALL_RUNS ("schedule:pass:threads",
-#           pass train or forward, threads NVFUSER_NUM_THREADS or - for nvFuser's default); bound FIRSTCALL_S each
+#           pass train or forward, threads NVFUSER_NUM_THREADS or - for nvFuser's default; a schedule by name or
+#           file, e.g. tools/schedules/first-call-*.json); bound FIRSTCALL_S each
 #   calibrate  tools/calibrate.py for CALIBRATE_PRESETS (default "gpt3 nanogpt") at tp 1 2 4 5 8, into
 #           $OUT/calibration.json (CALIBRATE_ARGS: more arguments, e.g. --no-beside); bound CALIBRATE_S
 #   main    `make`'s job (`tpfuser main`: check of both dtypes, the default preset, 1x1), timed whole into
@@ -279,11 +280,13 @@ step_firstcall() {
   local run sched kind threads tag
   for run in ${FIRSTCALL_RUNS:-megatron:train:- megatron-cut-linears:train:-}; do
     IFS=: read -r sched kind threads <<< "$run"
-    tag=firstcall_${sched}_${kind}_${threads/-/default}
+    tag=firstcall_$(basename "$sched" .json)_${kind}_${threads/-/default}   # (a schedule's name or its file)
     ( [[ $threads != - ]] && export NVFUSER_NUM_THREADS=$threads
       T ${FIRSTCALL_S:-120} -- python3 tools/probes/first_call_probe.py --schedule "$sched" \
         $([[ $kind == forward ]] && echo --forward) > "$OUT/$tag.json" 2> "$OUT/$tag.err" )
-    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], 'first call %.1f s, construct %.1f, load %.1f, segmenting %.1f, compile wall %.1f, kernels %d, nvrtc sum %.1f' % (d['first_call_s'], d['construct_s'], d['load_s'], d['segmenting_s'], d['compile_wall_s'], d['kernels'], d['nvrtc_sum_s']))" "$OUT/$tag.json" "$tag" 2>&1 | tail -1
+    if ! python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], 'first call %.1f s, construct %.1f, load %.1f, segmenting %.1f, compile wall %.1f, kernels %d, nvrtc sum %.1f' % (d['first_call_s'], d['construct_s'], d['load_s'], d['segmenting_s'], d['compile_wall_s'], d['kernels'], d['nvrtc_sum_s']))" "$OUT/$tag.json" "$tag" 2>/dev/null; then
+      echo "$tag: no result: $(tail -1 "$OUT/$tag.err" | cut -c1-200)"
+    fi
   done
 }
 step_main() {
