@@ -83,7 +83,8 @@ class Schedule:
     adds its own (fusion_cuts). masks, qkv_split, flash_layout, keys_on_device:
     block/form.py's. split_unit_axes: also split over a mesh axis of one
     device (parallel/schedule.apply_placement). enable_options,
-    disable_options: nvFuser's, for every fusion; fusion_options: more for
+    disable_options: nvFuser's, for every fusion (a chunk's too; overlap
+    "streams" runs its host IR with its own); fusion_options: more for
     some fusions, by the cut point each begins at ("" the first), e.g.
     {"attn.c_attn.out": {"disable_options": ["infer_contiguity"]}}.
     mesh=False: the fusions without a device mesh (1x1 only), run by

@@ -149,6 +149,7 @@ class SideStreamChunks:
         self.layout, self.tp = block.layout, block.layout.tp
         self.backward = run.kind == "backward"   # on the dp rank's tp devices alone (schedule.build_pass)
         self.split_unit_axes = block.schedule.split_unit_axes
+        self.options = block._piece_options(run, piece)   # the schedule's nvFuser options for the piece it runs
         self._fd = None
 
     def _fusion(self, a_local: torch.Tensor, w_local: torch.Tensor):
@@ -188,7 +189,7 @@ class SideStreamChunks:
             stream.wait_stream(main)
         for i in range(self.chunks):
             with torch.cuda.stream(streams[i % len(streams)]):
-                (chunk_out,) = fd.execute([parts(i), *rest])
+                (chunk_out,) = fd.execute([parts(i), *rest], **self.options)
                 write(i, chunk_out)
         for stream in streams:
             main.wait_stream(stream)
