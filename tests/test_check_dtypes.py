@@ -69,6 +69,7 @@ def test_one_table_and_json_of_every_dtype_in_the_order_asked(tmp_path, monkeypa
             json.dump({"cases": [_case("bf16", True)]}, f)
         return [-9, 0]
     monkeypatch.setattr(dtypes, "run_bounded_all", children)
+    monkeypatch.setenv("TPFUSER_TIMEOUT_S", "30")
     assert dtypes.check_side_by_side(cfgs, layout, args) == 1
     assert [cmd[cmd.index("--dtype") + 1] for cmd in ran] == ["fp32", "bf16"]
     text = capsys.readouterr().out
@@ -76,6 +77,12 @@ def test_one_table_and_json_of_every_dtype_in_the_order_asked(tmp_path, monkeypa
     assert "SOME RANK FAILED" in text
     report = json.loads((tmp_path / "all.json").read_text())
     assert [c["dtype"] for c in report["cases"]] == ["fp32", "bf16"] and not report["ok"] and report["side_by_side"]
+
+    def late(cmds, env, timeout_s, stdouts=None):
+        return [None, None]
+    monkeypatch.setattr(dtypes, "run_bounded_all", late)
+    assert dtypes.check_side_by_side(cfgs, layout, args) == 1
+    assert capsys.readouterr().out.count("did not finish in 30 s (TPFUSER_TIMEOUT_S sets the bound)") == 2
 
     def both_pass(cmds, env, timeout_s, stdouts=None):
         for cmd, dtype in zip(cmds, ("fp32", "bf16")):

@@ -14,7 +14,7 @@ import sys
 import tempfile
 
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.dist.launch import run_bounded_all, run_timeout_s, shared_gpu_bytes
+from tpfuser.dist.launch import TIMEOUT_VAR, run_bounded_all, run_timeout_s, shared_gpu_bytes
 from tpfuser.outputs import write_json
 from tpfuser.verify.meshes import environment, format_checks
 
@@ -52,9 +52,10 @@ def check_side_by_side(cfgs: list[BlockConfig], layout: Layout, args) -> int:
             json.dump(schedule.as_dict(), f)
         files = [os.path.join(folder, f"{cfg.dtype}.json") for cfg in cfgs]
         logs = [open(os.path.join(folder, f"{cfg.dtype}.out"), "w") for cfg in cfgs]   # their own tables: ours is last
+        bound_s = run_timeout_s()
         try:
             codes = run_bounded_all([child_command(args, cfg, schedule_file, out) for cfg, out in zip(cfgs, files)],
-                                    dict(os.environ), run_timeout_s(), stdouts=logs)
+                                    dict(os.environ), bound_s, stdouts=logs)
         finally:
             for log in logs:
                 log.close()
@@ -64,7 +65,8 @@ def check_side_by_side(cfgs: list[BlockConfig], layout: Layout, args) -> int:
                 with open(out) as f:
                     reports.append(json.load(f))
             except (OSError, ValueError):
-                why = "did not finish in its bound" if code is None else f"exit {code}, no result written"
+                why = (f"did not finish in {bound_s:g} s ({TIMEOUT_VAR} sets the bound)" if code is None
+                       else f"exit {code}, no result written")
                 reports.append(_failed(cfg, args, why))
     report = merge(reports, cfgs, args, layout)
     print(format_checks(report), flush=True)
