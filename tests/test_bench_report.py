@@ -286,10 +286,20 @@ def test_an_nvfuser_impl_may_run_its_own_schedule_beside_the_benchs(monkeypatch,
     assert made[f"nvfuser@{own}"].name == "mine" and made[f"nvfuser@{own}"].cuts == ()
     for bad, says in (("eager@megatron", "for an nvFuser implementation"),
                       ("nvfuser@no-such-schedule", "no-such-schedule"),
-                      ("nvfuser@megatron-sp", "sequence-parallel")):
+                      ("nvfuser@megatron-sp", "sequence-parallel"),
+                      ("nvfuser@megatron-overlap", "CUDA_DEVICE_MAX_CONNECTIONS=1")):
         with pytest.raises(ValueError, match=says) as e:
             check_impls([bad], Layout(), schedule=base)
         assert bad in str(e.value) and "\n" not in str(e.value)
+    overlap = SCHEDULES["megatron-overlap"]
+    check_impls(["nvfuser@megatron-overlap"], Layout(1, 2), schedule=overlap.replace(name="mine"), cfg=preset("tiny"))
+    with pytest.raises(ValueError, match="CUDA_DEVICE_MAX_CONNECTIONS=1"):   # the other way round
+        check_impls(["nvfuser@megatron"], Layout(1, 2), schedule=overlap)
+    with pytest.raises(ValueError, match="'nvfuser@megatron-overlap'.*divisor"):   # the block on its schedule
+        check_impls(["nvfuser@megatron-overlap"], Layout(1, 2), schedule=overlap, cfg=preset("tiny", batch=1, seq=3))
+    one_head = preset("tiny", n_head=2)
+    with pytest.raises(ValueError, match="'nvfuser@megatron-cut-linears'.*one head per rank"):
+        check_impls(["nvfuser@megatron-cut-linears"], Layout(1, 2), schedule=base, cfg=one_head)
 
 
 def test_startup_runs_an_nvfuser_impl_under_its_own_schedule(monkeypatch):

@@ -3,6 +3,7 @@ own, side by side (verify/dtypes.py), one table and JSON; the processes run at
 once under one bound (launch.run_bounded_all). CPU: the children faked, or
 plain Python."""
 import json
+import os
 import sys
 import time
 
@@ -62,7 +63,7 @@ def test_one_table_and_json_of_every_dtype_in_the_order_asked(tmp_path, monkeypa
                                 "--json", str(tmp_path / "all.json")])
     ran = []
 
-    def children(cmds, env, timeout_s, stdouts=None):   # bf16's passes, fp32's process dies without a result
+    def children(cmds, env, timeout_s, stdouts=None, labels=None):   # bf16's passes, fp32's process dies without a result
         ran.extend(cmds)
         out = cmds[1][cmds[1].index("--json") + 1]
         with open(out, "w") as f:
@@ -78,13 +79,27 @@ def test_one_table_and_json_of_every_dtype_in_the_order_asked(tmp_path, monkeypa
     report = json.loads((tmp_path / "all.json").read_text())
     assert [c["dtype"] for c in report["cases"]] == ["fp32", "bf16"] and not report["ok"] and report["side_by_side"]
 
-    def late(cmds, env, timeout_s, stdouts=None):
+    def late(cmds, env, timeout_s, stdouts=None, labels=None):
         return [None, None]
     monkeypatch.setattr(dtypes, "run_bounded_all", late)
-    assert dtypes.check_side_by_side(cfgs, layout, args) == 1
+    assert dtypes.check_side_by_side(cfgs, layout, args) == 124
     assert capsys.readouterr().out.count("did not finish in 30 s (TPFUSER_TIMEOUT_S sets the bound)") == 2
 
-    def both_pass(cmds, env, timeout_s, stdouts=None):
+    def ended(cmds, env, timeout_s, stdouts=None, labels=None):   # fp32 done, then this process is told to end
+        assert labels == ["fp32", "bf16"] and "NVFUSER_MASTER_PORT" not in env
+        with open(cmds[0][cmds[0].index("--json") + 1], "w") as f:
+            json.dump({"cases": [_case("fp32", True)]}, f)
+        raise launch.Ended(15)
+    monkeypatch.setattr(dtypes, "run_bounded_all", ended)
+    monkeypatch.setenv("NVFUSER_MASTER_PORT", "29500")
+    with pytest.raises(launch.Ended):
+        dtypes.check_side_by_side(cfgs, layout, args)
+    text = capsys.readouterr().out
+    assert "fp32  0.10    0" in text and "or was ended" in text
+    kept = json.loads((tmp_path / "all.json").read_text())
+    assert kept["cases"][0]["ranks"][0]["ok"] and not kept["cases"][1]["ranks"][0]["ok"]
+
+    def both_pass(cmds, env, timeout_s, stdouts=None, labels=None):
         for cmd, dtype in zip(cmds, ("fp32", "bf16")):
             with open(cmd[cmd.index("--json") + 1], "w") as f:
                 json.dump({"cases": [_case(dtype, True)]}, f)
@@ -95,18 +110,27 @@ def test_one_table_and_json_of_every_dtype_in_the_order_asked(tmp_path, monkeypa
 
 
 def test_commands_run_at_once_under_one_bound(tmp_path):
-    sleep = [sys.executable, "-c", "import time, sys; time.sleep(1.0); sys.exit(3)"]
+    sleep = [sys.executable, "-c", "import time, sys; time.sleep(2.0); sys.exit(3)"]
     begun = time.monotonic()
     assert launch.run_bounded_all([sleep, sleep], {}, timeout_s=30) == [3, 3]
-    assert time.monotonic() - begun < 1.9   # side by side, not one after the other
-    marker = tmp_path / "late"
-    late = [sys.executable, "-c", f"import time; time.sleep(60); open({str(marker)!r}, 'w')"]
+    assert time.monotonic() - begun < 3.5   # side by side (one after the other: 4 s and more)
+    late = [sys.executable, "-c", "import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "open(sys.argv[1], 'w').write(str(os.getpid())); print(os.environ.get('TPFUSER_PROCESS'), flush=True); "
+            "time.sleep(60)"]   # deaf to SIGTERM: each takes the whole grace, then SIGKILL
     quick = [sys.executable, "-c", "print('hi')"]
-    with open(tmp_path / "quick.out", "w") as out, open(tmp_path / "late.out", "w") as late_out:
-        begun = time.monotonic()
-        assert launch.run_bounded_all([quick, late], {}, timeout_s=2, grace_s=1, stdouts=[out, late_out]) == [0, None]
-    assert time.monotonic() - begun < 20 and not marker.exists()
-    assert (tmp_path / "quick.out").read_text() == "hi\n"
+    outs = [open(tmp_path / f"{i}.out", "w") for i in range(3)]
+    begun = time.monotonic()
+    codes = launch.run_bounded_all([quick, late + [str(tmp_path / "a.pid")], late + [str(tmp_path / "b.pid")]], {},
+                                   timeout_s=3, grace_s=4, stdouts=outs, labels=["quick", "bf16", "fp32"])
+    spent = time.monotonic() - begun
+    for out in outs:
+        out.close()
+    assert codes == [0, None, None]
+    assert spent < 3 + launch.WATCH_S + 4 + 2.5   # both late ones ended together: one grace, not two
+    for name in ("a.pid", "b.pid"):
+        pid = int((tmp_path / name).read_text())
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    assert [(tmp_path / f"{i}.out").read_text() for i in range(3)] == ["hi\n", "bf16\n", "fp32\n"]
 
 
 def test_check_of_two_dtypes_on_one_gpu_goes_side_by_side(monkeypatch, capsys):
@@ -124,3 +148,13 @@ def test_check_of_two_dtypes_on_one_gpu_goes_side_by_side(monkeypatch, capsys):
     assert cli.main(["check", "--preset", "tiny", "--dtype", "fp32", "bf16"]) == 0
     assert seen == ["side", "one process", "one process"]
     assert "fp32, bf16 one after another: together they need" in capsys.readouterr().err
+
+
+def test_the_children_get_their_own_port_and_one_communication_dump(monkeypatch):
+    monkeypatch.setenv("NVFUSER_MASTER_PORT", "29500")
+    monkeypatch.setenv("NVFUSER_DUMP", "segmented_fusion,communication")
+    args, _, _ = _args(["check", "--preset", "tiny", "--dtype", "fp32", "bf16", "--collectives"])
+    env = dtypes.child_environment(args)
+    assert "NVFUSER_MASTER_PORT" not in env and env["NVFUSER_DUMP"] == "segmented_fusion"   # check adds its own
+    args.collectives = False
+    assert dtypes.child_environment(args)["NVFUSER_DUMP"] == "segmented_fusion,communication"

@@ -306,7 +306,7 @@ def test_readme_transcript_is_what_main_prints(capsys):
     assert shown == printed
 
 
-def test_enable_reaches_every_fusion_call_and_nothing_is_passed_by_default():
+def test_enable_reaches_every_fusion_call_and_nothing_is_passed_by_default(monkeypatch):
     """A schedule's enable_options (was ShardedBlock(enable=...); bench's
     nvfuser-graph-fm: fuse_matmul) turns the options on for every fusion of the
     forward, the training forward and the backward alike."""
@@ -323,7 +323,7 @@ def test_enable_reaches_every_fusion_call_and_nothing_is_passed_by_default():
                 def execute(inputs, _disable_options=None, outs=outs, **options):
                     seen.append(options)
                     return outs
-                setattr(piece.fd, "execute", execute)
+                monkeypatch.setattr(piece.fd, "execute", execute)   # (undone after: the passes are shared)
                 fusions += 1
         x = torch.zeros(cfg.batch, cfg.seq, cfg.n_embd)
         block(x)

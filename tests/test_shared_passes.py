@@ -41,6 +41,8 @@ def test_whatever_changes_a_fusion_or_its_compile_gives_its_own():
     # the backward of another dp rank runs on its own rows of the mesh
     rank0, rank2 = (ShardedBlock(cfg, Layout(2, 2), rank, device=CPU) for rank in (0, 2))
     assert rank0.pass_of("backward") is not rank2.pass_of("backward")
+    assert rank0.pass_of("forward") is rank2.pass_of("forward")   # the whole mesh's, the same text
+    assert rank0.pass_of("forward").text() == rank2.pass_of("forward").text()
 
 
 def test_forget_fusions_drops_them():

@@ -67,7 +67,7 @@ def bench_main(args, argv) -> int:
         schedule.check(cfg, layout)
         if known_failure(cfg, layout, schedule):
             raise ValueError(known_failure(cfg, layout, schedule))
-        check_impls(impls or (), layout, args.train, schedule)
+        check_impls(impls or (), layout, args.train, schedule, cfg)
         check_writable(args.json, "--json")
         check_writable(args.png, "--png")
         if args.startup:

@@ -17,7 +17,7 @@ from tpfuser.bench.peers import dtensor_block
 from tpfuser.bench.report import WORK_ONLY
 from tpfuser.config import Layout
 from tpfuser.dist.world import sum_over_group
-from tpfuser.parallel.schedules import load_schedule
+from tpfuser.parallel.schedules import known_failure, load_schedule
 from tpfuser.verify.reference import sdpa_forward
 # Deferred: the runtime (tpfuser.runtime.block, .graphs, .module: nvFuser) is
 # imported where a block is made, not here: bench's options and refusals
@@ -73,10 +73,13 @@ def default_impls(layout: Layout) -> tuple[str, ...]:
         (("dtensor",) if layout.tp > 1 else ())
 
 
-def check_impls(impls, layout: Layout, train: bool = False, schedule=None) -> None:
+def check_impls(impls, layout: Layout, train: bool = False, schedule=None, cfg=None) -> None:
     """Refuse an implementation the bench cannot time here, in one line naming it.
     schedule: the bench's; an nvFuser implementation's own (after an @) must
-    put the block on the same mesh the same way (sequence-parallel or not)."""
+    put the block on the same mesh the same way (sequence-parallel or not),
+    take the block (cfg) on it, and chunk its linears only where the bench's
+    does (CUDA_DEVICE_MAX_CONNECTIONS=1 is the whole process's, every
+    implementation's: runtime/chunked.py)."""
     for impl in impls:
         base, own = split_impl(impl)
         if own is not None:
@@ -92,6 +95,19 @@ def check_impls(impls, layout: Layout, train: bool = False, schedule=None) -> No
                 raise ValueError(f"implementation {impl!r}: its schedule is {said[theirs.sequence_parallel]}, "
                                  f"the bench's ({schedule.name}) {said[schedule.sequence_parallel]} (--sp): "
                                  f"the input would not be split alike")
+            if schedule is not None and bool(theirs.chunked()) != bool(schedule.chunked()):
+                which = "its schedule chunks linears, the bench's does not" if theirs.chunked() else \
+                    "the bench's schedule chunks linears, its own does not"
+                raise ValueError(f"implementation {impl!r}: {which}: a chunked schedule runs with "
+                                 f"CUDA_DEVICE_MAX_CONNECTIONS=1, set for the whole process (every implementation's "
+                                 f"timing); bench --schedule {own} on its own, or pair it with a chunked one")
+            if cfg is not None:
+                try:
+                    theirs.check(cfg, layout)
+                except ValueError as e:
+                    raise ValueError(f"implementation {impl!r}: {e}") from None
+                if known_failure(cfg, layout, theirs):
+                    raise ValueError(f"implementation {impl!r}: {known_failure(cfg, layout, theirs)}")
             impl = base
         if impl not in IMPLS:
             raise ValueError(f"implementation {impl!r}: must be one of {IMPLS}")

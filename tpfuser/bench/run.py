@@ -64,7 +64,7 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
     schedule = default_schedule(layout) if schedule is None else load_schedule(schedule)
     schedule.check(cfg, layout)
     impls = tuple(impls or default_impls(layout))
-    check_impls(impls, layout, train, schedule)
+    check_impls(impls, layout, train, schedule, cfg)
     if not torch.cuda.is_available():
         raise RuntimeError("benchmarking needs a CUDA GPU")
     ref = make_block(cfg, dtype=torch.bfloat16, device="cuda")

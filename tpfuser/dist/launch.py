@@ -54,7 +54,8 @@ def arm_stack_dumps() -> None:
     """Where this process is, on request and before it is ended: SIGUSR1 prints
     every thread's Python stack to stderr (`kill -USR1 PID`), and a rank of a
     run_bounded run (RANK and STACKS_AT_VAR set) prints them by itself then
-    (faulthandler's watchdog thread: no signal, which a library may have taken)."""
+    (faulthandler's watchdog thread: no signal, which a library may have taken);
+    so does a labelled process of run_bounded_all's (procs.LABEL_VAR)."""
     global _STACKS_FD
     if _STACKS_FD is None:
         try:   # the process's own stderr (not a replacement without a descriptor: pytest's), duplicated:
@@ -66,7 +67,7 @@ def arm_stack_dumps() -> None:
             return
     faulthandler.register(signal.SIGUSR1, file=_STACKS_FD, all_threads=True)
     try:
-        at = float(os.environ[STACKS_AT_VAR]) if "RANK" in os.environ else None
+        at = float(os.environ[STACKS_AT_VAR]) if "RANK" in os.environ or procs.LABEL_VAR in os.environ else None
     except (KeyError, ValueError):   # not a rank of run_bounded's (the variable is ours, set there)
         at = None
     if at is not None:
@@ -121,7 +122,7 @@ def _report_ranks(tracked: dict[int, str], watch_s: float) -> None:
         used = {tid: (name, cpu - before[pid].get(tid, (name, 0.0))[1]) for tid, (name, cpu) in after.items()}
         busiest = sorted(used.values(), key=lambda nc: -nc[1])[:4]
         total = sum(c for _, c in used.values())
-        print(f"rank {rank} (pid {pid}): {total:.1f} s of CPU in the last {watch_s:g} s over {len(after)} threads, "
+        print(f"{'rank ' if rank.isdigit() else ''}{rank} (pid {pid}): {total:.1f} s of CPU in the last {watch_s:g} s over {len(after)} threads, "
               f"the busiest: " + ", ".join(f"{n} {c:.1f}" for n, c in busiest)
               + (" (waiting, in a collective most likely)" if total < 0.1 * watch_s else ""), file=sys.stderr, flush=True)
 
@@ -149,16 +150,20 @@ def _wait_ended(proc: subprocess.Popen, tracked: dict[int, str], seconds: float)
         time.sleep(0.05)
 
 
-def _end_all(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM to proc, its group and its descendants (torchrun and its ranks), SIGKILL
-    to whatever is left after grace_s; return when none of them runs any more."""
-    tracked = procs.tree(proc.pid)
+def _end_all(started: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM to each process, its group and its descendants (torchrun and its
+    ranks), all at once, SIGKILL to whatever is left after grace_s; return when
+    none of them runs any more."""
+    tracked: dict[int, str] = {}
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        tracked |= procs.tree(proc.pid)   # and any process started since
-        _signal_all(proc.pid, tracked, sig)
-        if _wait_ended(proc, tracked, wait_s):
+        for proc in started:
+            tracked |= procs.tree(proc.pid)   # and any process started since
+            _signal_all(proc.pid, tracked, sig)
+        deadline = time.monotonic() + wait_s
+        if all(_wait_ended(proc, tracked, max(0.0, deadline - time.monotonic())) for proc in started):
             break
-    proc.wait()
+    for proc in started:
+        proc.wait()
 
 
 class Ended(BaseException):
@@ -199,11 +204,13 @@ def run_bounded(cmd: list[str], env: dict[str, str], timeout_s: float, grace_s: 
 
 
 def run_bounded_all(cmds: list[list[str]], env: dict[str, str], timeout_s: float, grace_s: float | None = None,
-                    stdouts: list | None = None) -> list[int | None]:
+                    stdouts: list | None = None, labels: list[str] | None = None) -> list[int | None]:
     """run_bounded for several commands at once (side by side, one bound for
     all): each one's exit status, None for those still running at the bound
-    (ended, with everything they started); a signal to this process ends them
-    all. stdouts: a file for each command's standard output (default: ours)."""
+    (ended together, with everything they started); a signal to this process
+    ends them all. stdouts: a file for each command's standard output (default:
+    ours). labels: what each is, for a process that is no rank (procs.LABEL_VAR):
+    it then prints its stacks before the bound, and is named past it."""
     grace_s = GRACE_S if grace_s is None else grace_s
     env = {**env, STACKS_AT_VAR: f"{time.time() + stacks_due_s(timeout_s):.1f}"}
     previous = {}
@@ -212,7 +219,8 @@ def run_bounded_all(cmds: list[list[str]], env: dict[str, str], timeout_s: float
     started: list[subprocess.Popen] = []
     try:
         for i, cmd in enumerate(cmds):
-            started.append(subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent,
+            own = {**env, procs.LABEL_VAR: labels[i]} if labels else env
+            started.append(subprocess.Popen(cmd, env=own, start_new_session=True, preexec_fn=_die_with_parent,
                                             stdout=stdouts[i] if stdouts else None))
         deadline = time.monotonic() + timeout_s
         while any(proc.poll() is None for proc in started) and time.monotonic() < deadline:
@@ -220,13 +228,10 @@ def run_bounded_all(cmds: list[list[str]], env: dict[str, str], timeout_s: float
         late = [proc for proc in started if proc.poll() is None]
         if late:
             _report_ranks({pid: t for proc in late for pid, t in procs.tree(proc.pid).items()}, WATCH_S)
-            for proc in late:
-                _end_all(proc, grace_s)
+            _end_all(late, grace_s)
         return [None if proc in late else proc.returncode for proc in started]
     except BaseException:
-        for proc in started:
-            if proc.poll() is None:
-                _end_all(proc, grace_s)
+        _end_all([proc for proc in started if proc.poll() is None], grace_s)
         raise
     finally:
         for sig, handler in previous.items():

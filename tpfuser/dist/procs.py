@@ -63,14 +63,19 @@ def threads_cpu_s(pid: int) -> dict[int, tuple[str, float]]:
     return threads
 
 
+LABEL_VAR = "TPFUSER_PROCESS"   # the label of a run_bounded_all process that is no rank (e.g. a dtype's check)
+
+
 def rank_of(pid: int) -> str | None:
-    """The RANK a process was started with (a launcher's rank), or None."""
+    """The RANK a process was started with (a launcher's rank), else its
+    LABEL_VAR, or None."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = f.read().split(b"\0")
     except OSError:
         return None
-    return next((v[5:].decode() for v in env if v.startswith(b"RANK=")), None)
+    found = dict(v.decode(errors="replace").split("=", 1) for v in env if v.startswith((b"RANK=", f"{LABEL_VAR}=".encode())))
+    return found.get("RANK", found.get(LABEL_VAR))
 
 
 def alive(tracked: dict[int, str]) -> list[int]:

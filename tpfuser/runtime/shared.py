@@ -24,6 +24,7 @@ def shared_pass(cfg: BlockConfig, kind: str, layout: Layout | None, check: bool,
     compiled under some options is not reused under others."""
     options = json.dumps([schedule.enable_options, schedule.disable_options, schedule.fusion_options], sort_keys=True)
     form = schedule.form()
+    dp_rank = dp_rank if kind == "backward" else 0   # (a forward is the whole mesh's: build_pass reads no dp rank)
     key = (cfg, form, kind, layout, check, dp_rank, schedule.split_unit_axes, str(device), options)
     if key not in _PASSES:
         _PASSES[key] = build_pass(cfg, form, kind, layout, check=check, dp_rank=dp_rank,

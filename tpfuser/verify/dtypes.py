@@ -40,39 +40,60 @@ def child_command(args, cfg: BlockConfig, schedule_file: str, json_file: str) ->
                                         ("--graphs", getattr(args, "graphs", False))) if on]
 
 
+def child_environment(args) -> dict[str, str]:
+    """This process's environment for a dtype's check, less what would make two
+    of them collide or say a thing twice: a fixed port for nvFuser's store
+    (each then picks a free one) and the communication dump check adds itself."""
+    env = {k: v for k, v in os.environ.items() if k != "NVFUSER_MASTER_PORT"}
+    if args.collectives and "NVFUSER_DUMP" in env:
+        dumps = [d for d in env["NVFUSER_DUMP"].split(",") if d and d != "communication"]
+        env.pop("NVFUSER_DUMP")
+        if dumps:
+            env["NVFUSER_DUMP"] = ",".join(dumps)
+    return env
+
+
 def check_side_by_side(cfgs: list[BlockConfig], layout: Layout, args) -> int:
     """Each dtype's check in a process of its own, at once; one table and JSON of
-    them all. Exit code 0 when every case passed."""
+    them all, also when this process is told to end (what finished is kept).
+    Exit code 0 when every case passed, 124 when a process ran past the bound."""
     schedule = args.schedule
-    names = ", ".join(cfg.dtype for cfg in cfgs)
-    print(f"checking {names} side by side, a process each", file=sys.stderr, flush=True)
+    print(f"checking {', '.join(cfg.dtype for cfg in cfgs)} side by side, a process each", file=sys.stderr, flush=True)
+    bound_s, codes = run_timeout_s(), [None] * len(cfgs)
     with tempfile.TemporaryDirectory(prefix="tpfuser-check-") as folder:
         schedule_file = os.path.join(folder, "schedule.json")
         with open(schedule_file, "w") as f:
             json.dump(schedule.as_dict(), f)
-        files = [os.path.join(folder, f"{cfg.dtype}.json") for cfg in cfgs]
-        logs = [open(os.path.join(folder, f"{cfg.dtype}.out"), "w") for cfg in cfgs]   # their own tables: ours is last
-        bound_s = run_timeout_s()
+        files = [os.path.join(folder, f"{i}-{cfg.dtype}.json") for i, cfg in enumerate(cfgs)]
+        logs = [open(os.path.join(folder, f"{i}-{cfg.dtype}.out"), "w") for i, cfg in enumerate(cfgs)]   # their tables
         try:
             codes = run_bounded_all([child_command(args, cfg, schedule_file, out) for cfg, out in zip(cfgs, files)],
-                                    dict(os.environ), bound_s, stdouts=logs)
-        finally:
+                                    child_environment(args), bound_s, stdouts=logs, labels=[c.dtype for c in cfgs])
+        finally:   # (ended by a signal too: the table and JSON of what finished, then the signal goes on)
             for log in logs:
                 log.close()
-        reports = []
-        for cfg, out, code in zip(cfgs, files, codes):
-            try:
-                with open(out) as f:
-                    reports.append(json.load(f))
-            except (OSError, ValueError):
-                why = (f"did not finish in {bound_s:g} s ({TIMEOUT_VAR} sets the bound)" if code is None
-                       else f"exit {code}, no result written")
-                reports.append(_failed(cfg, args, why))
-    report = merge(reports, cfgs, args, layout)
-    print(format_checks(report), flush=True)
-    if args.json:
-        write_json(args.json, report)
+            report = merge([_read(out, cfg, args, code, bound_s) for cfg, out, code in zip(cfgs, files, codes)],
+                           cfgs, args, layout)
+            print(format_checks(report), flush=True)
+            if args.json:
+                write_json(args.json, report)
+    if any(code is None for code in codes):
+        return 124
     return 0 if report["ok"] and all(code == 0 for code in codes) else 1
+
+
+def _read(path: str, cfg: BlockConfig, args, code: int | None, bound_s: float) -> dict:
+    """A dtype's report as its process wrote it, or a failed case saying why there is none."""
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, ValueError):
+        why = (f"did not finish in {bound_s:g} s ({TIMEOUT_VAR} sets the bound), or was ended" if code is None
+               else f"exit {code}, no result written")
+        return _failed(cfg, args, why)
+    if code != 0 and all(r["ok"] for case in report["cases"] for r in case["ranks"]):
+        print(f"{cfg.dtype}: its process exited {code} after writing a passing result", file=sys.stderr)
+    return report
 
 
 def _failed(cfg: BlockConfig, args, why: str) -> dict:
