@@ -29,3 +29,15 @@ def test_each_execute_gets_its_own_segmenting_compile_and_kernels():
     assert abs(first["compile_wall_s"] - 0.7) < 1e-9   # the caller's, not the workers' 0.6 + 0.3 on top
     assert first["kernels"] == 2 and abs(first["nvrtc_sum_s"] - 0.75) < 1e-9 and abs(first["nvrtc_max_s"] - 0.5) < 1e-9
     assert second["kernels"] == 1 and second["segmenting_s"] == 0 and abs(second["wall_s"] - 0.5) < 1e-9
+
+
+def test_the_backward_on_autograds_thread_is_counted():
+    events = [(RUN, "B", 7, 0), (SEG, "B", 7, 100), (SEG, "E", 7, 500_100), (RUN, "E", 7, 1_000_000),
+              (RUN, "B", 12, 2_000_000), (SEG, "B", 12, 2_000_100), (SEG, "E", 12, 2_300_100),
+              (COMPILE, "B", 12, 2_300_200), (KERNEL, "B", 13, 2_300_300), (KERNEL, "E", 13, 2_400_000),
+              (COMPILE, "E", 12, 2_500_000), (RUN, "E", 12, 3_000_000)]
+    text = "{\n\"traceEvents\": [\n" + "\n".join(EVENT.format(*e) for e in events)
+    forward, backward = first_call_probe.split(text)
+    assert abs(forward["segmenting_s"] - 0.5) < 1e-9 and forward["kernels"] == 0
+    assert abs(backward["segmenting_s"] - 0.3) < 1e-9 and backward["kernels"] == 1
+    assert abs(backward["compile_wall_s"] - 0.1998) < 1e-9

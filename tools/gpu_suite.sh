@@ -280,6 +280,8 @@ step_firstcall() {
   local run sched kind threads tag
   for run in ${FIRSTCALL_RUNS:-megatron:train:- megatron-cut-linears:train:-}; do
     IFS=: read -r sched kind threads <<< "$run"
+    threads=${threads:--}
+    if [[ $kind != train && $kind != forward ]]; then echo "firstcall $run: expected schedule:train|forward[:threads]"; continue; fi
     tag=firstcall_$(basename "$sched" .json)_${kind}_${threads/-/default}   # (a schedule's name or its file)
     ( [[ $threads != - ]] && export NVFUSER_NUM_THREADS=$threads
       T ${FIRSTCALL_S:-120} -- python3 tools/probes/first_call_probe.py --schedule "$sched" \

@@ -28,8 +28,11 @@ PHASES = {"SegmentCandidateFinder::SegmentCandidateFinder": "segmenting_s",
 
 
 def split(text: str) -> list[dict]:
+    """One row per outermost execute, in time order, on whatever thread ran it
+    (the backward runs on autograd's): its wall time, its segmenting and
+    compile wall time on that thread, and the kernels compiled and NVRTC's
+    time on any thread inside its window."""
     events = [(m["name"], m["ph"], m["tid"], float(m["ts"])) for m in _EVENT.finditer(text)]
-    caller = next((tid for name, _, tid, _ in events if name == CALLING), None)
     spans, stacks = [], {}
     for name, ph, tid, ts in events:   # every closed scope: (name, tid, begin, end, outermost of its name)
         stack = stacks.setdefault(tid, [])
@@ -38,9 +41,9 @@ def split(text: str) -> list[dict]:
         elif stack:
             opened, begun = stack.pop()
             spans.append((opened, tid, begun, ts, not any(n == opened for n, _ in stack)))
-    calls = sorted((b, e) for n, tid, b, e, outer in spans if n == CALLING and tid == caller and outer)
+    calls = sorted((b, e, tid) for n, tid, b, e, outer in spans if n == CALLING and outer)
     rows = []
-    for b, e in calls:
+    for b, e, caller in calls:
         inside = [(n, tid, sb, se, outer) for n, tid, sb, se, outer in spans if sb >= b and se <= e]
         row = {"wall_s": (e - b) * 1e-6}
         for scope, key in PHASES.items():
@@ -63,6 +66,7 @@ def main() -> int:
     folder = tempfile.mkdtemp(prefix="first-call-")
     trace = os.path.join(folder, "trace.json")
     os.environ["NVFUSER_TRACE"] = trace
+    os.environ.pop("TPFUSER_KERNEL_CACHE", None)   # cold, and no fusion of its own among the block's
     clock = [time.perf_counter()]
 
     def lap():
@@ -110,10 +114,15 @@ def main() -> int:
     ctypes.CDLL(None).fflush(None)
     with open(trace, errors="replace") as f:
         rows = split(f.read())
-    out["pieces"] = [{"piece": name, "execute_s": s, **(rows[i] if i < len(rows) else {})}
+    # one trace row per execute of ours, in order, unless other fusions ran too (a chunked
+    # linear's chunks): then the rows are kept apart, unmatched
+    out["matched"] = len(rows) == len(order)
+    out["pieces"] = [{"piece": name, "execute_s": s, **(rows[i] if out["matched"] else {})}
                      for i, (name, s) in enumerate(order)]
+    if not out["matched"]:
+        out["executes"] = rows
     for key in ("segmenting_s", "compile_wall_s", "nvrtc_sum_s", "kernel_compile_sum_s", "kernels"):
-        out[key] = sum(p.get(key, 0) for p in out["pieces"])
+        out[key] = sum(r.get(key, 0) for r in rows)
     print(json.dumps(out), flush=True)
     os._exit(0)
 
