@@ -23,6 +23,18 @@ def test_the_callers_wall_time_not_the_workers_sum():
     assert abs(phases["compiling_kernels_s"] - (1.6 + 0.5)) < 1e-9   # two fusions' compiles, the caller's wall time
 
 
+def test_the_backward_on_autograds_thread_counts_too():
+    """A training step: the forward's execute on the caller's thread, the backward's
+    on autograd's device thread; a worker thread's compile scope not added."""
+    text = _trace((RUN, "B", 7, 0), (SEG, "B", 7, 100), (SEG, "E", 7, 1_000_100), (RUN, "E", 7, 2_000_000),
+                  (RUN, "B", 12, 3_000_000), (SEG, "B", 12, 3_000_100), (SEG, "E", 12, 3_500_100),
+                  (COMPILE, "B", 12, 3_600_000), (COMPILE, "B", 13, 3_600_100), (COMPILE, "E", 13, 3_900_000),
+                  (COMPILE, "E", 12, 4_000_000), (RUN, "E", 12, 4_100_000))
+    phases = trace_phases(text)
+    assert abs(phases["segmenting_s"] - 1.5) < 1e-9
+    assert abs(phases["compiling_kernels_s"] - 0.4) < 1e-9
+
+
 def test_a_table_row_for_every_implementation_failed_or_not():
     row = {"impl": "nvfuser", "pass": "forward", "import_s": 3.0, "build_s": 2.0, "first_call_s": 7.0,
            "second_call_s": 0.002, "segmenting_s": 2.5, "compiling_kernels_s": 4.0}

@@ -33,17 +33,19 @@ CALLING = "FusionExecutorCache::runFusionWithInputs"   # begins on the thread th
 
 
 def trace_phases(text: str) -> dict[str, float]:
-    """Wall seconds the calling thread spent in nvFuser's segmenter and in
-    compiling kernels (outermost scopes only: the compile's worker threads
-    open the same scope again, and their time is inside the caller's), from
-    an NVFUSER_TRACE file's text (complete or cut short: read line by line)."""
+    """Wall seconds nvFuser's callers spent in its segmenter and in compiling
+    kernels, from an NVFUSER_TRACE file's text (complete or cut short: read
+    line by line). A caller is a thread that ran an execute: the training
+    step's backward runs on autograd's device thread, not the one that called
+    the forward. Outermost scopes only, on the callers' threads: the compile's
+    worker threads open the same scope again, inside the caller's time."""
     stacks: dict[str, list[tuple[str, float]]] = {}
     spent = {SEGMENTING: 0.0, COMPILING: 0.0}
-    caller = None
+    callers: set[str] = set()
     for m in _EVENT.finditer(text):
-        if caller is None and m["name"] == CALLING:
-            caller = m["tid"]
-        if m["tid"] != caller:
+        if m["name"] == CALLING:
+            callers.add(m["tid"])
+        if m["tid"] not in callers:
             continue
         stack = stacks.setdefault(m["tid"], [])
         if m["ph"] == "B":
