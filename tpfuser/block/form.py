@@ -34,7 +34,9 @@ BACKWARD_CUTS = ("grad:mlp.c_fc", "grad:mlp.c_fc.in", "grad:mlp.c_fc.in.out", "g
 @dataclass(frozen=True)
 class Form:
     """cuts: the points where the passes are cut into fusions (FORWARD_CUTS,
-    BACKWARD_CUTS). flash_layout: in bf16, q, k, v
+    BACKWARD_CUTS). hints: points where a pass stays one fusion but tells
+    nvFuser's segmenter to end a kernel there (segment_set on what crosses
+    it). flash_layout: in bf16, q, k, v
     and attention's output held as flash attention holds them (tensors.memory_order).
     keys_on_device: the dropout keys are 0-d int64 CUDA tensors, read by the
     kernels at run time (a CUDA graph then draws new masks on each replay),
@@ -42,12 +44,14 @@ class Form:
 
     cuts: frozenset[str] = field(default_factory=frozenset)
     masks: str = "inline"
+    hints: frozenset[str] = field(default_factory=frozenset)   # points kept in one fusion, a kernel boundary hinted
     qkv_split: str = "slice"
     flash_layout: bool = True
     keys_on_device: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "cuts", frozenset(self.cuts))
+        object.__setattr__(self, "hints", frozenset(self.hints))
         if self.masks not in MASK_FORMS:
             raise ValueError(f"masks={self.masks!r}: expected one of {', '.join(MASK_FORMS)}")
         if self.qkv_split not in QKV_SPLITS:

@@ -60,9 +60,9 @@ class Pieces:
 
     def __init__(self, define_input: Callable, cuts: Iterable[str] = (), order: Iterable[str] = (),
                  close: Callable[[Piece], None] | None = None, _reads: list[list[str]] | None = None,
-                 _values: list[set[str]] | None = None):
+                 _values: list[set[str]] | None = None, hints: Iterable[str] = ()):
         self._define_input = define_input
-        self.cuts = frozenset(cuts)
+        self.cuts, self.hints = frozenset(cuts), frozenset(hints)
         self._order = {name: i for i, name in enumerate(order)}
         self._close_hook = close
         self._reads = _reads
@@ -129,8 +129,12 @@ class Pieces:
     def cut(self, point: str, live: dict[str, object]) -> list:
         """A point where the pass may be cut, with what is live there by name.
         Cut (point in `cuts`): the fusion so far returns what it made of
-        `live`, and the next one reads all of it; else `live` as it is."""
+        `live`, and the next one reads all of it; hinted (in `hints`): each of
+        `live` through a segment_set, nvFuser's mark that a kernel ends there;
+        else `live` as it is."""
         self.points.append(point)
+        if point in self.hints:
+            return [ops.segment_set(tv) for tv in live.values()]
         if point not in self.cuts:
             return list(live.values())
         for name, tv in live.items():
@@ -185,12 +189,12 @@ class Pieces:
 
 
 def build_pieces(define: Callable[[Pieces], object], define_input: Callable, cuts: Iterable[str] = (),
-                 order: Iterable[str] = (), close: Callable[[Piece], None] | None = None):
+                 order: Iterable[str] = (), close: Callable[[Piece], None] | None = None, hints: Iterable[str] = ()):
     """(the pass's fusions, what `define` returned): `define(b)` run twice
     (the module's docstring says why), the second time with `close` applied."""
-    first = Pieces(define_input, cuts, order)
+    first = Pieces(define_input, cuts, order, hints=hints)
     define(first)
     first.finish()
-    second = Pieces(define_input, cuts, order, close, _reads=first.reads, _values=first.values)
+    second = Pieces(define_input, cuts, order, close, _reads=first.reads, _values=first.values, hints=hints)
     result = define(second)
     return second.finish(), result

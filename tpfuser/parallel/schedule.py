@@ -157,7 +157,8 @@ def build_pass(cfg: BlockConfig, form: Form, kind: str = "forward", layout: Layo
             cfg = cfg.replace(batch=cfg.batch // layout.dp)
         close = placer(layout, row=dp_rank or 0, split_unit_axes=split_unit_axes) if layout else None
         pieces, _ = build_pieces(lambda b: define_backward(b, cfg, form, outputs), input_definer(cfg, form),
-                                 form.cuts & set(BACKWARD_CUTS), backward_order(cfg), close)
+                                 form.cuts & set(BACKWARD_CUTS), backward_order(cfg), close,
+                                 hints=form.hints & set(BACKWARD_CUTS))
         names = [name for piece in pieces for name in piece.outputs if name.startswith("grad")]
         return Pass(kind, cfg, pieces, names, meshed=layout is not None,
                     # nvFuser's resize scheduler fails on the q, k, v concatenation of a sharded
@@ -169,7 +170,7 @@ def build_pass(cfg: BlockConfig, form: Form, kind: str = "forward", layout: Layo
     close = placer(layout, split_unit_axes=split_unit_axes) if layout else None
     cuts = (form.cuts & set(FORWARD_CUTS)) - {"masks"} | ({"masks"} if form.masks == "fusion" and cfg.dropout > 0 else set())
     pieces, _ = build_pieces(lambda b: define_forward(b, cfg, form, check, train), input_definer(cfg, form),
-                             cuts, forward_order(cfg, check, train), close)
+                             cuts, forward_order(cfg, check, train), close, hints=form.hints & set(FORWARD_CUTS))
     return Pass(kind, cfg, pieces, forward_outputs(cfg, check, train), meshed=layout is not None)
 
 

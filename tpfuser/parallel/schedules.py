@@ -80,8 +80,9 @@ class LinearSchedule:
 class Schedule:
     """The whole block's schedule; `linears` by name (LINEARS). cuts: where the
     passes are cut into fusions (FORWARD_CUTS, BACKWARD_CUTS); a chunked linear
-    adds its own (fusion_cuts). masks, qkv_split, flash_layout, keys_on_device:
-    block/form.py's. split_unit_axes: also split over a mesh axis of one
+    adds its own (fusion_cuts). segment_hints: points kept inside one fusion
+    where nvFuser's segmenter is told to end a kernel (Form.hints; 1x1 only).
+    masks, qkv_split, flash_layout, keys_on_device: block/form.py's. split_unit_axes: also split over a mesh axis of one
     device (parallel/schedule.apply_placement). enable_options,
     disable_options: nvFuser's, for every fusion (a chunk's too; overlap
     "streams" runs its host IR with its own); fusion_options: more for
@@ -94,6 +95,7 @@ class Schedule:
     name: str
     linears: dict = field(default_factory=dict)
     cuts: tuple[str, ...] = ()
+    segment_hints: tuple[str, ...] = ()
     masks: str = "fusion"
     qkv_split: str = "slice"
     flash_layout: bool = True
@@ -119,7 +121,7 @@ class Schedule:
         if len(sp) > 1:
             _refuse("linears", "every linear sequence-parallel ('-sp' styles) or none (the regions between "
                     "them are either split over the sequence or not)", {k: v.style for k, v in self.linears.items()})
-        for name in ("cuts", "enable_options", "disable_options"):
+        for name in ("cuts", "segment_hints", "enable_options", "disable_options"):
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):
                 _refuse(name, "a list of strings", value)
@@ -136,6 +138,9 @@ class Schedule:
         unknown = [c for c in self.cuts if c not in FORWARD_CUTS + BACKWARD_CUTS]
         if unknown:
             _refuse("cuts", f"cut points among {', '.join(FORWARD_CUTS + BACKWARD_CUTS)}", unknown)
+        hintable = tuple(c for c in FORWARD_CUTS + BACKWARD_CUTS if c != "masks")   # ("masks": nothing crosses it)
+        if [c for c in self.segment_hints if c not in hintable] or set(self.segment_hints) & self.fusion_cuts():
+            _refuse("segment_hints", f"points among {', '.join(hintable)}, none of them a cut", self.segment_hints)
         if self.masks not in MASK_FORMS:
             _refuse("masks", f"one of {', '.join(MASK_FORMS)}", self.masks)
         if self.qkv_split not in QKV_SPLITS:
@@ -165,7 +170,8 @@ class Schedule:
 
     def form(self) -> Form:
         """How the fusions are written under this schedule (block/form.py)."""
-        return Form(self.fusion_cuts(), self.masks, self.qkv_split, self.flash_layout, self.keys_on_device)
+        return Form(self.fusion_cuts(), self.masks, frozenset(self.segment_hints), self.qkv_split, self.flash_layout,
+                    self.keys_on_device)
 
     def replace(self, **changes) -> "Schedule":
         return dataclasses.replace(self, **changes)
@@ -185,6 +191,9 @@ class Schedule:
                              f"but the layout is {'' if layout.sp else 'not '}(sp={layout.sp}): use a "
                              f"{'megatron-sp' if layout.sp else 'megatron'}-style schedule, or the layout "
                              f"schedule.layout(dp, tp) gives")
+        if self.segment_hints and layout.world_size != 1 and not self.experimental:
+            raise ValueError(f"schedule {self.name!r}: segment_hints on a {layout.dp}x{layout.tp} mesh: tried on "
+                             f"1x1 only (what crosses a hint is not placed on the mesh; experimental: true runs it)")
         if not self.mesh and layout.world_size != 1:
             raise ValueError(f"schedule {self.name!r}: mesh=false needs a 1x1 layout, got {layout.dp}x{layout.tp}")
         for linear, plan in self.chunked().items():
@@ -206,8 +215,8 @@ class Schedule:
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        out["cuts"], out["enable_options"], out["disable_options"] = (list(out[k]) for k in
-                                                                     ("cuts", "enable_options", "disable_options"))
+        for key in ("cuts", "segment_hints", "enable_options", "disable_options"):
+            out[key] = list(out[key])
         return out
 
 
