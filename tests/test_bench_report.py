@@ -293,8 +293,7 @@ def test_an_nvfuser_impl_may_run_its_own_schedule_beside_the_benchs(monkeypatch,
         assert bad in str(e.value) and "\n" not in str(e.value)
     overlap = SCHEDULES["megatron-overlap"]
     check_impls(["nvfuser@megatron-overlap"], Layout(1, 2), schedule=overlap.replace(name="mine"), cfg=preset("tiny"))
-    with pytest.raises(ValueError, match="CUDA_DEVICE_MAX_CONNECTIONS=1"):   # the other way round
-        check_impls(["nvfuser@megatron"], Layout(1, 2), schedule=overlap)
+    check_impls(["nvfuser@megatron"], Layout(1, 2), schedule=overlap)   # the other way round: it runs with the var
     with pytest.raises(ValueError, match="'nvfuser@megatron-overlap'.*divisor"):   # the block on its schedule
         check_impls(["nvfuser@megatron-overlap"], Layout(1, 2), schedule=overlap, cfg=preset("tiny", batch=1, seq=3))
     one_head = preset("tiny", n_head=2)

@@ -74,7 +74,7 @@ def test_one_table_and_json_of_every_dtype_in_the_order_asked(tmp_path, monkeypa
     assert dtypes.check_side_by_side(cfgs, layout, args) == 1
     assert [cmd[cmd.index("--dtype") + 1] for cmd in ran] == ["fp32", "bf16"]
     text = capsys.readouterr().out
-    assert text.index("fp32") < text.index("bf16") and "exit -9, no result written" in text
+    assert text.index("fp32") < text.index("bf16") and "exited -9, no result written" in text
     assert "SOME RANK FAILED" in text
     report = json.loads((tmp_path / "all.json").read_text())
     assert [c["dtype"] for c in report["cases"]] == ["fp32", "bf16"] and not report["ok"] and report["side_by_side"]
@@ -95,9 +95,18 @@ def test_one_table_and_json_of_every_dtype_in_the_order_asked(tmp_path, monkeypa
     with pytest.raises(launch.Ended):
         dtypes.check_side_by_side(cfgs, layout, args)
     text = capsys.readouterr().out
-    assert "fp32  0.10    0" in text and "or was ended" in text
+    assert "fp32  0.10    0" in text and "was ended with this check, no result written" in text
     kept = json.loads((tmp_path / "all.json").read_text())
     assert kept["cases"][0]["ranks"][0]["ok"] and not kept["cases"][1]["ranks"][0]["ok"]
+
+    def broken(cmds, env, timeout_s, stdouts=None, labels=None):   # a child's half-written result, then a failure
+        with open(cmds[0][cmds[0].index("--json") + 1], "w") as f:
+            f.write("{}")
+        raise FileNotFoundError("no such interpreter")
+    monkeypatch.setattr(dtypes, "run_bounded_all", broken)
+    with pytest.raises(FileNotFoundError):   # the failure itself, not one of gathering the results
+        dtypes.check_side_by_side(cfgs, layout, args)
+    assert "did not run to its end (FileNotFoundError here)" in capsys.readouterr().out
 
     def both_pass(cmds, env, timeout_s, stdouts=None, labels=None):
         for cmd, dtype in zip(cmds, ("fp32", "bf16")):
@@ -158,3 +167,19 @@ def test_the_children_get_their_own_port_and_one_communication_dump(monkeypatch)
     assert "NVFUSER_MASTER_PORT" not in env and env["NVFUSER_DUMP"] == "segmented_fusion"   # check adds its own
     args.collectives = False
     assert dtypes.child_environment(args)["NVFUSER_DUMP"] == "segmented_fusion,communication"
+
+
+def test_a_second_signal_while_ending_does_not_leave_a_process_behind(tmp_path):
+    import signal
+    import subprocess
+    import threading
+    deaf = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                             "print('up', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, start_new_session=True)
+    assert deaf.stdout.readline() == b"up\n"
+    before = signal.signal(signal.SIGTERM, launch._raise_ended)
+    try:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()   # mid-grace: ignored there
+        launch._end_all([deaf], grace_s=1.5)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert deaf.poll() == -signal.SIGKILL

@@ -104,7 +104,34 @@ def test_a_database_that_does_not_open_gives_its_slot_back(fresh, monkeypatch, t
     def fails(slot):
         raise RuntimeError(f"nvFuser did not open its kernel database in {slot}")
     monkeypatch.setattr(kernel_cache, "open_database", fails)
-    assert kernel_cache.active() is None and "kernel cache off (nvFuser did not open" in capsys.readouterr().err
+    assert kernel_cache.active() is None and "kernel cache off (RuntimeError: nvFuser did not open" in \
+        capsys.readouterr().err
     folder = kernel_cache.cache_folder(str(tmp_path), "0.2.36", "NVIDIA H200", (9, 0), "13.0")
     slot, fd = kernel_cache.claim_slot(folder, slots=1)   # slot-0 free again
     kernel_cache.release(fd)
+
+
+def test_any_failure_leaves_it_off_and_nvfusers_own_database_is_refused(fresh, monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv(kernel_cache.CACHE_VAR, str(tmp_path))
+    monkeypatch.setattr(kernel_cache, "_this_gpu", lambda: ("NVIDIA H200", (9, 0), "13.0", "0.2.36"))
+    monkeypatch.setattr(kernel_cache, "open_database", lambda slot: {}["no such key"])   # not an OSError
+    assert kernel_cache.active() is None and kernel_cache.options() == {}
+    assert "kernel cache off (KeyError" in capsys.readouterr().err
+    fresh.update(asked=None)
+    monkeypatch.setattr(kernel_cache, "open_database", lambda slot: None)
+    monkeypatch.setenv("NVFUSER_ENABLE", "kernel_db")
+    assert kernel_cache.active() is None and "NVFUSER_ENABLE has kernel_db" in capsys.readouterr().err
+
+
+def test_a_process_takes_its_own_slot_again(fresh, monkeypatch, tmp_path):
+    """By its label (a dtype's check) or its local rank, where free: a rerun finds its kernels."""
+    monkeypatch.setenv("TPFUSER_PROCESS", "bf16")
+    slot, fd = kernel_cache.claim_slot(str(tmp_path), prefer=kernel_cache._preferred_slot())
+    assert os.path.basename(slot) == "slot-bf16"
+    taken = kernel_cache.claim_slot(str(tmp_path), prefer="bf16")   # held: a numbered one instead
+    assert os.path.basename(taken[0]) == "slot-0"
+    kernel_cache.release(fd)
+    kernel_cache.release(taken[1])
+    monkeypatch.delenv("TPFUSER_PROCESS")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert kernel_cache._preferred_slot() == "rank3"

@@ -35,6 +35,16 @@ def test_the_backward_on_autograds_thread_counts_too():
     assert abs(phases["compiling_kernels_s"] - 0.4) < 1e-9
 
 
+def test_a_thread_id_given_again_to_a_worker_is_not_counted_twice():
+    text = _trace((RUN, "B", 7, 0), (COMPILE, "B", 7, 100), (COMPILE, "B", 9, 200), (COMPILE, "E", 9, 500_200),
+                  (COMPILE, "E", 7, 1_000_100), (RUN, "E", 7, 1_100_000),
+                  (RUN, "B", 9, 2_000_000), (RUN, "E", 9, 2_100_000),            # 9 ran an execute too, later
+                  (RUN, "B", 12, 3_000_000), (COMPILE, "B", 12, 3_000_100),
+                  (COMPILE, "B", 9, 3_000_200), (COMPILE, "E", 9, 3_500_200),   # ... and works for 12's compile
+                  (COMPILE, "E", 12, 4_000_100), (RUN, "E", 12, 4_100_000))
+    assert abs(trace_phases(text)["compiling_kernels_s"] - 2.0) < 1e-9
+
+
 def test_a_table_row_for_every_implementation_failed_or_not():
     row = {"impl": "nvfuser", "pass": "forward", "import_s": 3.0, "build_s": 2.0, "first_call_s": 7.0,
            "second_call_s": 0.002, "segmenting_s": 2.5, "compiling_kernels_s": 4.0}

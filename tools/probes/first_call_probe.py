@@ -50,6 +50,7 @@ def split(text: str) -> list[dict]:
             row[key] = sum(se - sb for n, tid, sb, se, outer in inside if n == scope and tid == caller and outer) * 1e-6
         nvrtc = [se - sb for n, _, sb, se, _ in inside if n == "executor_utils::NVRTC"]
         row["kernels"] = sum(1 for n, *_ in inside if n == "KernelExecutor::compile")
+        row["nvrtc_compiles"] = sum(1 for n, *_ in inside if n == "executor_utils::Nvrtc::CompileProgram")   # (not read back)
         row["nvrtc_sum_s"], row["nvrtc_max_s"] = sum(nvrtc) * 1e-6, max(nvrtc, default=0.0) * 1e-6
         row["kernel_compile_sum_s"] = sum(se - sb for n, _, sb, se, _ in inside if n == "KernelExecutor::compile") * 1e-6
         rows.append(row)

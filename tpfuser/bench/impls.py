@@ -78,8 +78,8 @@ def check_impls(impls, layout: Layout, train: bool = False, schedule=None, cfg=N
     schedule: the bench's; an nvFuser implementation's own (after an @) must
     put the block on the same mesh the same way (sequence-parallel or not),
     take the block (cfg) on it, and chunk its linears only where the bench's
-    does (CUDA_DEVICE_MAX_CONNECTIONS=1 is the whole process's, every
-    implementation's: runtime/chunked.py)."""
+    schedule does (CUDA_DEVICE_MAX_CONNECTIONS=1, set from the bench's, is the
+    whole process's, every implementation's: runtime/chunked.py)."""
     for impl in impls:
         base, own = split_impl(impl)
         if own is not None:
@@ -95,12 +95,11 @@ def check_impls(impls, layout: Layout, train: bool = False, schedule=None, cfg=N
                 raise ValueError(f"implementation {impl!r}: its schedule is {said[theirs.sequence_parallel]}, "
                                  f"the bench's ({schedule.name}) {said[schedule.sequence_parallel]} (--sp): "
                                  f"the input would not be split alike")
-            if schedule is not None and bool(theirs.chunked()) != bool(schedule.chunked()):
-                which = "its schedule chunks linears, the bench's does not" if theirs.chunked() else \
-                    "the bench's schedule chunks linears, its own does not"
-                raise ValueError(f"implementation {impl!r}: {which}: a chunked schedule runs with "
-                                 f"CUDA_DEVICE_MAX_CONNECTIONS=1, set for the whole process (every implementation's "
-                                 f"timing); bench --schedule {own} on its own, or pair it with a chunked one")
+            if schedule is not None and theirs.chunked() and not schedule.chunked():
+                raise ValueError(f"implementation {impl!r}: its schedule chunks linears, the bench's does not: a "
+                                 f"chunked schedule runs with CUDA_DEVICE_MAX_CONNECTIONS=1, set for the whole "
+                                 f"process (every implementation's timing), from the bench's schedule: bench "
+                                 f"--schedule {own} (the others then run with it too)")
             if cfg is not None:
                 try:
                     theirs.check(cfg, layout)

@@ -37,16 +37,11 @@ def trace_phases(text: str) -> dict[str, float]:
     kernels, from an NVFUSER_TRACE file's text (complete or cut short: read
     line by line). A caller is a thread that ran an execute: the training
     step's backward runs on autograd's device thread, not the one that called
-    the forward. Outermost scopes only, on the callers' threads: the compile's
-    worker threads open the same scope again, inside the caller's time."""
+    the forward. Outermost scopes only, inside an execute on the same thread:
+    the compile's worker threads open the same scope again, in the caller's time."""
     stacks: dict[str, list[tuple[str, float]]] = {}
     spent = {SEGMENTING: 0.0, COMPILING: 0.0}
-    callers: set[str] = set()
     for m in _EVENT.finditer(text):
-        if m["name"] == CALLING:
-            callers.add(m["tid"])
-        if m["tid"] not in callers:
-            continue
         stack = stacks.setdefault(m["tid"], [])
         if m["ph"] == "B":
             stack.append((m["name"], float(m["ts"])))
@@ -54,7 +49,9 @@ def trace_phases(text: str) -> dict[str, float]:
         if not stack:
             continue
         name, begun = stack.pop()
-        if name in spent and not any(n == name for n, _ in stack):
+        # inside an execute on this thread (a worker's scopes are not; a thread id the
+        # system gave again to a worker neither), and not inside one of its own name
+        if name in spent and any(n == CALLING for n, _ in stack) and not any(n == name for n, _ in stack):
             spent[name] += (float(m["ts"]) - begun) * 1e-6
     return {"segmenting_s": spent[SEGMENTING], "compiling_kernels_s": spent[COMPILING]}
 

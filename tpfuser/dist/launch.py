@@ -153,17 +153,32 @@ def _wait_ended(proc: subprocess.Popen, tracked: dict[int, str], seconds: float)
 def _end_all(started: list[subprocess.Popen], grace_s: float) -> None:
     """SIGTERM to each process, its group and its descendants (torchrun and its
     ranks), all at once, SIGKILL to whatever is left after grace_s; return when
-    none of them runs any more."""
-    tracked: dict[int, str] = {}
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+    none of them runs any more, or say which still do (a process the kernel
+    cannot kill, e.g. stuck in a driver). A second Ctrl-C or SIGTERM meanwhile
+    does not cut this short: its SIGKILL must come."""
+    deaf = {}
+    if threading.current_thread() is threading.main_thread():
+        deaf = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    try:
+        tracked: dict[int, str] = {}
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            for proc in started:
+                tracked |= procs.tree(proc.pid)   # and any process started since
+                _signal_all(proc.pid, tracked, sig)
+            deadline = time.monotonic() + wait_s
+            if all(_wait_ended(proc, tracked, max(0.0, deadline - time.monotonic())) for proc in started):
+                break
+        left = procs.alive(tracked)
+        if left:
+            print(f"error: processes {', '.join(map(str, left))} still run after SIGKILL", file=sys.stderr)
         for proc in started:
-            tracked |= procs.tree(proc.pid)   # and any process started since
-            _signal_all(proc.pid, tracked, sig)
-        deadline = time.monotonic() + wait_s
-        if all(_wait_ended(proc, tracked, max(0.0, deadline - time.monotonic())) for proc in started):
-            break
-    for proc in started:
-        proc.wait()
+            try:
+                proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for sig, handler in deaf.items():
+            signal.signal(sig, handler)
 
 
 class Ended(BaseException):

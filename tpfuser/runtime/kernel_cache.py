@@ -43,11 +43,13 @@ def cache_folder(root: str, nvfuser_version: str, gpu: str, capability: tuple[in
                         f"{slug}-sm{capability[0]}{capability[1]}-cuda{cuda}")
 
 
-def claim_slot(folder: str, slots: int = SLOTS):
-    """(slot folder, its lock's file descriptor) of the first slot no process
-    holds, now held by this one until it exits (or release()); None if all are held."""
+def claim_slot(folder: str, slots: int = SLOTS, prefer: str | None = None):
+    """(slot folder, its lock's file descriptor) of slot-<prefer> if no process
+    holds it, else of the first numbered slot none holds, now held by this one
+    until it exits (or release()); None if all are held. (A child forked
+    without an exec shares the lock.)"""
     os.makedirs(folder, exist_ok=True)
-    for i in range(slots):
+    for i in ([prefer] if prefer else []) + list(range(slots)):
         slot = os.path.join(folder, f"slot-{i}")
         os.makedirs(slot, exist_ok=True)
         fd = os.open(os.path.join(slot, "lock"), os.O_RDWR | os.O_CREAT, 0o644)
@@ -56,6 +58,9 @@ def claim_slot(folder: str, slots: int = SLOTS):
         except BlockingIOError:
             os.close(fd)
             continue
+        except BaseException:
+            os.close(fd)
+            raise
         return slot, fd
     return None
 
@@ -80,19 +85,31 @@ def active() -> str | None:
         _state["asked"] = True
         root = os.environ.get(CACHE_VAR)
         if root:
+            claimed = None
             try:
+                if OPTION in os.environ.get("NVFUSER_ENABLE", "").split(","):
+                    raise RuntimeError(f"NVFUSER_ENABLE has {OPTION} already: nvFuser's own database, in the "
+                                       f"temporary folder, would be the one opened")
                 gpu, capability, cuda, version = _this_gpu()
-                claimed = claim_slot(cache_folder(root, version, gpu, capability, cuda))
+                claimed = claim_slot(cache_folder(root, version, gpu, capability, cuda), prefer=_preferred_slot())
                 if claimed is None:
                     raise OSError(f"all {SLOTS} slots are held by other processes")
-                _state["slot"], _state["lock"] = claimed
-                open_database(_state["slot"])
-            except (OSError, RuntimeError) as e:
-                if _state["lock"] is not None:
-                    release(_state["lock"])
-                _state["slot"] = _state["lock"] = None
-                print(f"{CACHE_VAR}={root}: kernel cache off ({e})", file=sys.stderr)
+                open_database(claimed[0])
+                _state["slot"], _state["lock"] = claimed   # on only once nvFuser has opened it there
+            except Exception as e:   # whatever went wrong, the cache is off, and says so in one line
+                if claimed is not None:
+                    release(claimed[1])
+                line = " ".join(str(e).split())[:300]
+                print(f"{CACHE_VAR}={root}: kernel cache off ({type(e).__name__}: {line})", file=sys.stderr)
     return _state["slot"]
+
+
+def _preferred_slot() -> str | None:
+    """The slot this process takes when free: its label (a dtype's check) or its
+    local rank, so that a rerun finds the kernels it compiled last time."""
+    label = os.environ.get("TPFUSER_PROCESS") or (f"rank{os.environ['LOCAL_RANK']}" if "LOCAL_RANK" in os.environ
+                                                  else None)
+    return re.sub(r"[^A-Za-z0-9_-]+", "-", label) if label else None
 
 
 def open_database(slot: str) -> None:

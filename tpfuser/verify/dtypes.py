@@ -14,7 +14,7 @@ import sys
 import tempfile
 
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.dist.launch import TIMEOUT_VAR, run_bounded_all, run_timeout_s, shared_gpu_bytes
+from tpfuser.dist.launch import TIMEOUT_VAR, Ended, run_bounded_all, run_timeout_s, shared_gpu_bytes
 from tpfuser.outputs import write_json
 from tpfuser.verify.meshes import environment, format_checks
 
@@ -59,7 +59,7 @@ def check_side_by_side(cfgs: list[BlockConfig], layout: Layout, args) -> int:
     Exit code 0 when every case passed, 124 when a process ran past the bound."""
     schedule = args.schedule
     print(f"checking {', '.join(cfg.dtype for cfg in cfgs)} side by side, a process each", file=sys.stderr, flush=True)
-    bound_s, codes = run_timeout_s(), [None] * len(cfgs)
+    bound_s, codes = run_timeout_s(), None
     with tempfile.TemporaryDirectory(prefix="tpfuser-check-") as folder:
         schedule_file = os.path.join(folder, "schedule.json")
         with open(schedule_file, "w") as f:
@@ -69,30 +69,43 @@ def check_side_by_side(cfgs: list[BlockConfig], layout: Layout, args) -> int:
         try:
             codes = run_bounded_all([child_command(args, cfg, schedule_file, out) for cfg, out in zip(cfgs, files)],
                                     child_environment(args), bound_s, stdouts=logs, labels=[c.dtype for c in cfgs])
-        finally:   # (ended by a signal too: the table and JSON of what finished, then the signal goes on)
+        finally:   # ended by a signal too: the table and JSON of what finished, then the signal goes on
             for log in logs:
                 log.close()
-            report = merge([_read(out, cfg, args, code, bound_s) for cfg, out, code in zip(cfgs, files, codes)],
-                           cfgs, args, layout)
-            print(format_checks(report), flush=True)
-            if args.json:
-                write_json(args.json, report)
+            pending = sys.exc_info()[1]
+            if pending is None:
+                fates = [f"did not finish in {bound_s:g} s ({TIMEOUT_VAR} sets the bound)" if code is None else
+                         None if code == 0 else f"exited {code}" for code in codes]
+            else:
+                said = "was ended with this check" if isinstance(pending, (Ended, KeyboardInterrupt)) else \
+                    f"did not run to its end ({type(pending).__name__} here)"
+                fates = [said] * len(cfgs)
+            try:
+                report = merge([_read(out, cfg, args, fate) for cfg, out, fate in zip(cfgs, files, fates)],
+                               cfgs, args, layout)
+                print(format_checks(report), flush=True)
+                if args.json:
+                    write_json(args.json, report)
+            except Exception as e:
+                if pending is None:
+                    raise
+                print(f"the dtypes' results could not be gathered ({type(e).__name__}: {e})", file=sys.stderr)
     if any(code is None for code in codes):
         return 124
     return 0 if report["ok"] and all(code == 0 for code in codes) else 1
 
 
-def _read(path: str, cfg: BlockConfig, args, code: int | None, bound_s: float) -> dict:
-    """A dtype's report as its process wrote it, or a failed case saying why there is none."""
+def _read(path: str, cfg: BlockConfig, args, fate: str | None) -> dict:
+    """A dtype's report as its process wrote it, or a failed case saying why
+    there is none. fate: what became of its process, None if it exited 0."""
     try:
         with open(path) as f:
             report = json.load(f)
-    except (OSError, ValueError):
-        why = (f"did not finish in {bound_s:g} s ({TIMEOUT_VAR} sets the bound), or was ended" if code is None
-               else f"exit {code}, no result written")
-        return _failed(cfg, args, why)
-    if code != 0 and all(r["ok"] for case in report["cases"] for r in case["ranks"]):
-        print(f"{cfg.dtype}: its process exited {code} after writing a passing result", file=sys.stderr)
+        report["cases"][0]["ranks"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return _failed(cfg, args, f"{fate or 'exited 0'}, no result written")
+    if fate and all(r.get("ok") for case in report["cases"] for r in case["ranks"]):
+        print(f"{cfg.dtype}: its process {fate} after writing a passing result", file=sys.stderr)
     return report
 
 
