@@ -11,9 +11,10 @@ nvFuser keeps its database in "nvfuser_kernel_db" under the temporary folder
 (TMPDIR) and numbers the files by its own count of entries, so two processes
 writing one folder would overwrite each other's. Here each process takes a
 folder of its own for its life: DIR/nvfuser-<version>/<GPU>-sm<cc>-cuda<v>/
-slot-<i>, the first slot no other process holds (an exclusive flock), so
-ranks sharing a machine never share one, and a later run reuses them. TMPDIR
-names the slot only while nvFuser opens the database (open_database).
+slot-<label or rank> where no other process holds it (an exclusive flock),
+else the first free slot-<i>; so ranks sharing a machine never share one,
+and a later run finds its own again. TMPDIR names the slot only while nvFuser
+opens the database (open_database).
 """
 
 from __future__ import annotations
