@@ -286,7 +286,9 @@ step_firstcall() {
     ( [[ $threads != - ]] && export NVFUSER_NUM_THREADS=$threads
       T ${FIRSTCALL_S:-120} -- python3 tools/probes/first_call_probe.py --schedule "$sched" \
         $([[ $kind == forward ]] && echo --forward) > "$OUT/$tag.json" 2> "$OUT/$tag.err" )
-    if ! python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], 'first call %.1f s, construct %.1f, load %.1f, segmenting %.1f, compile wall %.1f, kernels %d, nvrtc sum %.1f' % (d['first_call_s'], d['construct_s'], d['load_s'], d['segmenting_s'], d['compile_wall_s'], d['kernels'], d['nvrtc_sum_s']))" "$OUT/$tag.json" "$tag" 2>/dev/null; then
+    if line=$(python3 tools/probes/first_call_probe.py --line "$OUT/$tag.json" 2>/dev/null); then
+      echo "$tag: $line"
+    else
       echo "$tag: no result: $(tail -1 "$OUT/$tag.err" | cut -c1-200)"
     fi
   done

@@ -7,6 +7,9 @@ import xml.etree.ElementTree as ET
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "probes"))
+import first_call_probe  # noqa: E402  (its one-line result)
+
 out = sys.argv[1]
 summary = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__}
 try:
@@ -114,9 +117,7 @@ for path in sorted(glob.glob(os.path.join(out, "firstcall_*.json"))):   # tools/
         rows.append((f"first call {tag}", "no result (its .err says why)"))
         continue
     summary.setdefault("firstcall", {})[tag] = d
-    rows.append((f"first call {tag}", f"{d['first_call_s']:.1f} s after construct {d['construct_s']:.1f} + load "
-                 f"{d['load_s']:.1f}; segmenting {d['segmenting_s']:.1f}, compile wall {d['compile_wall_s']:.1f}, "
-                 f"{d['kernels']} kernels, NVRTC {d['nvrtc_sum_s']:.1f} summed"))
+    rows.append((f"first call {tag}", first_call_probe.summary_line(d)))
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
 width = max(len(k) for k, _ in rows) if rows else 10
 for k, v in rows:

@@ -13,18 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-_EVENT = re.compile(r'\{ "name": "(?P<name>[^"]*)", "ph": "(?P<ph>[BE])", "pid": \d+, "tid": (?P<tid>\d+), '
-                    r'"ts": (?P<ts>[0-9.]+) \}')
-CALLING = "FusionExecutorCache::runFusionWithInputs"
-PHASES = {"SegmentCandidateFinder::SegmentCandidateFinder": "segmenting_s",
-          "FusionKernelRuntime::compileFusionParallel": "compile_wall_s"}
+from tpfuser.bench.startup import CALLING, COMPILING, SEGMENTING, TRACE_EVENT  # noqa: E402  (bench --startup's)
+
+PHASES = {SEGMENTING: "segmenting_s", COMPILING: "compile_wall_s"}
 
 
 def split(text: str) -> list[dict]:
@@ -32,7 +29,7 @@ def split(text: str) -> list[dict]:
     (the backward runs on autograd's): its wall time, its segmenting and
     compile wall time on that thread, and the kernels compiled and NVRTC's
     time on any thread inside its window."""
-    events = [(m["name"], m["ph"], m["tid"], float(m["ts"])) for m in _EVENT.finditer(text)]
+    events = [(m["name"], m["ph"], m["tid"], float(m["ts"])) for m in TRACE_EVENT.finditer(text)]
     spans, stacks = [], {}
     for name, ph, tid, ts in events:   # every closed scope: (name, tid, begin, end, outermost of its name)
         stack = stacks.setdefault(tid, [])
@@ -57,13 +54,25 @@ def split(text: str) -> list[dict]:
     return rows
 
 
+def summary_line(d: dict) -> str:
+    """One run's result in a line (the GPU suite's firstcall step and its summary)."""
+    return (f"{d['first_call_s']:.1f} s after construct {d['construct_s']:.1f} + load {d['load_s']:.1f}; "
+            f"segmenting {d['segmenting_s']:.1f}, compile wall {d['compile_wall_s']:.1f}, {d['kernels']} kernels, "
+            f"NVRTC {d['nvrtc_sum_s']:.1f} summed")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--line", metavar="JSON", help="print an earlier run's result (its JSON) in a line, and stop")
     ap.add_argument("--preset", default="nanogpt")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--schedule", default="megatron")
     ap.add_argument("--forward", action="store_true", help="the forward alone, not the training step")
     args = ap.parse_args()
+    if args.line:
+        with open(args.line) as f:
+            print(summary_line(json.load(f)))
+        return 0
     folder = tempfile.mkdtemp(prefix="first-call-")
     trace = os.path.join(folder, "trace.json")
     os.environ["NVFUSER_TRACE"] = trace

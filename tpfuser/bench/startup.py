@@ -25,7 +25,8 @@ import time
 STARTUP_IMPLS = ("nvfuser", "compile", "compile-reduce-overhead", "eager")
 CHILD_TIMEOUT_S = 600
 CACHE_VAR = "TPFUSER_KERNEL_CACHE"   # runtime/kernel_cache.py's (not imported: it imports torch, the child times that)
-_EVENT = re.compile(r'\{ "name": "(?P<name>[^"]*)", "ph": "(?P<ph>[BE])", "pid": \d+, "tid": (?P<tid>\d+), '
+TRACE_EVENT = re.compile(   # one event of an NVFUSER_TRACE file (tools/probes/first_call_probe.py reads it too)
+    r'\{ "name": "(?P<name>[^"]*)", "ph": "(?P<ph>[BE])", "pid": \d+, "tid": (?P<tid>\d+), '
                     r'"ts": (?P<ts>[0-9.]+) \}')
 SEGMENTING = "SegmentCandidateFinder::SegmentCandidateFinder"
 COMPILING = "FusionKernelRuntime::compileFusionParallel"
@@ -41,7 +42,7 @@ def trace_phases(text: str) -> dict[str, float]:
     the compile's worker threads open the same scope again, in the caller's time."""
     stacks: dict[str, list[tuple[str, float]]] = {}
     spent = {SEGMENTING: 0.0, COMPILING: 0.0}
-    for m in _EVENT.finditer(text):
+    for m in TRACE_EVENT.finditer(text):
         stack = stacks.setdefault(m["tid"], [])
         if m["ph"] == "B":
             stack.append((m["name"], float(m["ts"])))
