@@ -26,6 +26,8 @@ import sys
 
 import torch
 
+from tpfuser.dist.procs import LABEL_VAR
+
 # Deferred: nvfuser_direct, imported where the cache is set up (its version, the
 # fusion that opens the database): this module's names are read without it.
 
@@ -108,7 +110,7 @@ def active() -> str | None:
 def _preferred_slot() -> str | None:
     """The slot this process takes when free: its label (a dtype's check) or its
     local rank, so that a rerun finds the kernels it compiled last time."""
-    label = os.environ.get("TPFUSER_PROCESS") or (f"rank{os.environ['LOCAL_RANK']}" if "LOCAL_RANK" in os.environ
+    label = os.environ.get(LABEL_VAR) or (f"rank{os.environ['LOCAL_RANK']}" if "LOCAL_RANK" in os.environ
                                                   else None)
     return re.sub(r"[^A-Za-z0-9_-]+", "-", label) if label else None
 
