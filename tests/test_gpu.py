@@ -117,3 +117,24 @@ def test_block_with_and_without_unit_axis_splits_matches_reference(dtype, split_
                     f"{result.graphs}")
     assert all(result.graphs.values()), result.graphs
     assert result.ok
+
+
+@pytest.mark.parametrize("tp, rank", [(1, 0), (2, 1)])
+def test_load_from_a_cuda_state_cuts_on_the_device_and_copies(tp, rank):
+    """A state_dict already on the GPU in the block's dtype: the shards are the
+    fusion's slices of it, on the GPU, and copies (a later change to the state,
+    e.g. an optimizer's step on the reference, does not reach the block)."""
+    from tpfuser.parallel.shard import fusion_params, rank_params
+    from tpfuser.runtime.block import ShardedBlock
+    from tpfuser.verify.reference import make_block
+    cfg = preset("tiny", dtype="bf16")
+    state = {k: v.to("cuda", torch.bfloat16) for k, v in make_block(cfg).state_dict().items()}
+    want = rank_params(fusion_params({k: v.cpu() for k, v in state.items()}, cfg), Layout(1, tp), rank)
+    block = ShardedBlock(cfg, Layout(1, tp), rank).load(state)
+    storages = {v.untyped_storage().data_ptr() for v in state.values()}
+    for got, w in zip(block.params, want, strict=True):
+        assert got.is_cuda and got.is_contiguous() and torch.equal(got.cpu(), w)
+        assert got.untyped_storage().data_ptr() not in storages
+    for v in state.values():
+        v.add_(1)
+    assert all(torch.equal(got.cpu(), w) for got, w in zip(block.params, want))

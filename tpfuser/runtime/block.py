@@ -136,9 +136,9 @@ class ShardedBlock:
     def load(self, state: dict[str, torch.Tensor], strict: bool = True) -> "ShardedBlock":
         """Take a nanoGPT-style state_dict (global, blocked c_attn); keep this rank's
         shards, checked and cast by weights.rank_shards (strict=False: keys other
-        than the block's are ignored, not refused)."""
-        return self.load_shards([s.to(self.device) for s in rank_shards(state, self.cfg, self.layout, self.rank,
-                                                                         strict)])
+        than the block's are ignored, not refused), as copies: never the state's own tensors."""
+        return self.load_shards([s.to(self.device, copy=True) for s in rank_shards(state, self.cfg, self.layout,
+                                                                                    self.rank, strict)])
 
     def load_hf_gpt2(self, state: dict[str, torch.Tensor], layer: Optional[int] = None,
                      strict: bool = True) -> "ShardedBlock":

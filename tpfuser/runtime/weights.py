@@ -196,7 +196,8 @@ def from_hf_gpt2(state: dict, cfg: BlockConfig, layer: int | None = None,
 def rank_shards(state: dict[str, torch.Tensor], cfg: BlockConfig, layout: Layout, rank: int,
                 strict: bool = True) -> list[torch.Tensor]:
     """A rank's parameter shards (PARAM_NAMES order, the fusion's qkv order, on
-    the CPU) from a nanoGPT-style state_dict (global, blocked c_attn). Floating
+    each tensor's own device: cast, checked and cut there, never through the host)
+    from a nanoGPT-style state_dict (global, blocked c_attn). Floating
     weights are cast to the block's dtype; integers, NaN and inf are refused, and
     so is Hugging Face's layout (from_hf_gpt2 converts it), and keys that are
     none of the block's tensors (check_keys; strict=False ignores them; the
@@ -213,6 +214,6 @@ def rank_shards(state: dict[str, torch.Tensor], cfg: BlockConfig, layout: Layout
         check_tensor(name, state[name])
         if tuple(state[name].shape) != shapes[name]:
             raise ValueError(f"{name}: expected shape {shapes[name]}, got {tuple(state[name].shape)}")
-        full[name] = state[name].detach().cpu().to(cfg.torch_dtype)
+        full[name] = state[name].detach().to(cfg.torch_dtype)
         check_finite(f"{name} cast to {cfg.dtype}", full[name])   # e.g. fp64 beyond fp32's range
     return rank_params(fusion_params(full, cfg), layout, rank)
