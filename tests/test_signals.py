@@ -83,3 +83,53 @@ def test_a_killed_launcher_takes_its_torchrun_with_it(tmp_path):
     for pid in ranks:   # (the ranks of a real torchrun die with it: its own parent-death handling)
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+# The command whose signal lands while its process is being started: a Popen that
+# sends it to its own launcher once the child is up, before run_bounded holds the
+# process. The child ignores SIGTERM (only the SIGKILL after the grace ends it) and
+# writes which signals it has blocked.
+STARTED_LATE = r"""
+import os, signal, subprocess, sys, time
+from tpfuser.dist.launch import Ended, run_bounded
+real, ready = subprocess.Popen, sys.argv[1]
+
+class SignalledPopen(real):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        while not os.path.exists(ready):   # the child ignores SIGTERM from here on
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+
+subprocess.Popen = SignalledPopen
+child = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+         "[os.dup2(os.open(os.devnull, os.O_WRONLY), fd) for fd in (1, 2)]; "   # not the test's pipes
+         "blocked = [l for l in open('/proc/self/status') if l.startswith('SigBlk')][0].split()[1]; "
+         "open(sys.argv[1], 'w').write(f'{os.getpid()} {blocked}'); time.sleep(600)")
+try:
+    run_bounded([sys.executable, "-c", child, ready], {}, 600, grace_s=0.5)
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def test_a_signal_while_a_rank_starts_still_ends_it(tmp_path):
+    """Ctrl-C that lands between the start of a process and run_bounded knowing
+    it: the process is ended all the same (the signal waits for the start), and
+    it runs with no signal blocked."""
+    (tmp_path / "launcher.py").write_text(STARTED_LATE)
+    ready = tmp_path / "ready"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(tmp_path / "launcher.py"), str(ready)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    pid, blocked = ready.read_text().split()
+    try:
+        assert proc.returncode == 130, proc.stderr
+        deadline = time.monotonic() + 10
+        while _alive(int(pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(int(pid)), "the process started as the signal came outlived its launcher"
+        assert int(blocked, 16) == 0, f"the child runs with signals blocked: SigBlk {blocked}"
+    finally:
+        if _alive(int(pid)):
+            os.kill(int(pid), signal.SIGKILL)

@@ -36,6 +36,7 @@ TIMEOUT_VAR = "TPFUSER_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
 # Between SIGTERM and SIGKILL: time for torchrun to stop its ranks and NCCL to let go.
 GRACE_S = 10.0
+ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)   # what ends the ranks with us
 # A run past its bound: run_bounded measures each rank's CPU over WATCH_S before
 # ending it; each rank prints its Python stacks a little before (arm_stack_dumps),
 # at the time run_bounded puts in STACKS_AT_VAR (seconds since the epoch).
@@ -158,7 +159,7 @@ def _end_all(started: list[subprocess.Popen], grace_s: float) -> None:
     does not cut this short: its SIGKILL must come."""
     deaf = {}
     if threading.current_thread() is threading.main_thread():
-        deaf = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+        deaf = {sig: signal.signal(sig, signal.SIG_IGN) for sig in ENDING_SIGNALS}
     try:
         tracked: dict[int, str] = {}
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
@@ -197,13 +198,27 @@ def _raise_ended(signum, frame):
     raise Ended(signum)
 
 
-def _die_with_parent() -> None:
-    """In the child, before it runs: SIGTERM when this launcher dies (even by
-    SIGKILL, which no handler sees: Linux's parent-death signal)."""
+def _child_setup(mask: set) -> None:
+    """In the child, before it runs: the signal mask its parent had before it
+    held the ending signals for the start (_start), and SIGTERM when this
+    launcher dies (even by SIGKILL, which no handler sees: Linux's parent-death
+    signal)."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     try:
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def _start(started: list[subprocess.Popen], cmd: list[str], **kwargs) -> None:
+    """Start cmd and put it in `started`, holding Ctrl-C, SIGTERM and SIGHUP
+    until it is there: one that came in between would raise before the caller
+    knew the process, and leave it running (ended by nobody)."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, ENDING_SIGNALS)
+    try:
+        started.append(subprocess.Popen(cmd, preexec_fn=lambda: _child_setup(mask), **kwargs))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)   # a signal held meanwhile is taken now
 
 
 def run_bounded(cmd: list[str], env: dict[str, str], timeout_s: float, grace_s: float | None = None) -> int | None:
@@ -235,8 +250,7 @@ def run_bounded_all(cmds: list[list[str]], env: dict[str, str], timeout_s: float
     try:
         for i, cmd in enumerate(cmds):
             own = {**env, procs.LABEL_VAR: labels[i]} if labels else env
-            started.append(subprocess.Popen(cmd, env=own, start_new_session=True, preexec_fn=_die_with_parent,
-                                            stdout=stdouts[i] if stdouts else None))
+            _start(started, cmd, env=own, start_new_session=True, stdout=stdouts[i] if stdouts else None)
         deadline = time.monotonic() + timeout_s
         while any(proc.poll() is None for proc in started) and time.monotonic() < deadline:
             time.sleep(0.05)
