@@ -249,3 +249,23 @@ def test_calibrate_dry_run_on_the_cpu_writes_a_calibration(tmp_path, capsys):
     assert cal.data["complete"] and sorted(cal.data["presets"]["tiny"]["tp"]) == ["1", "2"]
     assert cal.pieces("tiny", 2, True).ms("forward", "mlp.c_fc", 4) > 0
     assert "pieces' sum vs the whole pass" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("interconnect, kind, size, published_us", [
+    ("h200-nvlink", "allgather", 1 * MiB, 41.67), ("h200-nvlink", "allgather", 16 * MiB, 70.80),
+    ("h200-nvlink", "allgather", 64 * MiB, 210.89), ("h200-nvlink", "allgather", 8 << 30, 21001.0),
+    ("h200-nvlink", "reducescatter", 1 * MiB, 40.60), ("h200-nvlink", "reducescatter", 32 * MiB, 118.78),
+    ("h200-nvlink", "reducescatter", 1 << 30, 2711.56), ("h100-nvlink", "allreduce", 4 * MiB, 56.02),
+    ("h100-nvlink", "allreduce", 64 * MiB, 327.16), ("h200-nvlink", "allreduce", 64 * MiB, 7 / 4 * 64 * MiB / 347e3),
+])
+def test_shipped_tables_give_the_published_times(interconnect, kind, size, published_us):
+    """The busbw columns as shipped, turned back into times, are the sources' time
+    column (a check of the transcription against a column it did not copy)."""
+    assert comm.interconnect(interconnect).time_ms(kind, size, 8) * 1e3 == pytest.approx(published_us, rel=0.005)
+
+
+def test_the_h200_gather_and_scatter_tables_say_they_are_h100_figures():
+    tables = comm.interconnect("h200-nvlink").tables
+    for kind in ("allgather", "reducescatter"):
+        assert "8xH100" in tables[kind].source and "taken for H200" in tables[kind].source
+    assert "8xH200" in tables["allreduce"].source

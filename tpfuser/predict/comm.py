@@ -27,19 +27,40 @@ import re
 from dataclasses import dataclass
 
 KINDS = ("allreduce", "allgather", "reducescatter")
-MiB = 1 << 20
+KiB, MiB = 1 << 10, 1 << 20
 
 # Published nccl-tests all-reduce bus bandwidth on 8 H200 (NVLink 4, NVSwitch),
 # 1 to 64 MiB, as quoted in tpfuser issue 32 (close to 52 us + size / 227 GB/s).
 _H200_ALLREDUCE = ((1 * MiB, 39.9), (2 * MiB, 64.5), (4 * MiB, 107.0), (8 * MiB, 156.0),
                    (16 * MiB, 220.0), (32 * MiB, 276.0), (64 * MiB, 347.0))
 _H200_SOURCE = "published nccl-tests all_reduce_perf on 8xH200, 1-64 MiB, as quoted in tpfuser issue 32"
-_RING_NOTE = ("derived, not measured: the all-reduce's bus bandwidth at each size (no published 8-GPU figures "
-              "for it were at hand; NCCL's ring all-gather and reduce-scatter reach an effective NVLink busbw "
-              "near 370 GB/s on H100, NVIDIA/nccl-tests#212); replace with all_gather_perf / "
-              "reduce_scatter_perf output from the machine (--comm-table)")
-_H100_NOTE = ("derived, not measured: the 8xH200 table (H100 and H200 SXM share NVLink 4, 18 links, 900 GB/s "
-              "a GPU, and the NVSwitch); replace with nccl-tests output from an 8xH100 (--comm-table)")
+
+
+def _doubling(first: int, busbw: tuple[float, ...]) -> tuple[tuple[int, float], ...]:
+    return tuple((first << i, b) for i, b in enumerate(busbw))
+
+
+# Published nccl-tests output of one node of 8 H100 SXM (NVLink 4, NVSwitch, as
+# on an H200 SXM node), NCCL 2.26.2, nccl-tests 2.17.9, one process driving the
+# 8 GPUs, float, out-of-place busbw, sizes doubling from the first.
+_TOGETHER = "github.com/togethercomputer/together-nccl-tests, benchmarks/H100/results"
+_H100_ALLGATHER = _doubling(128 * KiB, (3.12, 6.24, 11.43, 22.02, 44.24, 88.77, 156.12, 207.36, 234.03, 278.45,
+                                        298.43, 320.49, 335.70, 344.53, 350.36, 355.23, 357.90))
+_H100_REDUCESCATTER = _doubling(128 * KiB, (3.12, 6.27, 11.76, 22.60, 44.05, 88.02, 145.53, 203.96, 247.18,
+                                            284.43, 307.89, 327.04, 337.19, 346.49, 351.01, 359.62, 363.18))
+_H100_ALLREDUCE = _doubling(1 * MiB, (43.38, 83.73, 131.03, 172.95, 233.92, 293.22, 358.97, 398.98, 421.78,
+                                      437.03, 467.77, 472.84, 477.00, 479.61))
+_H100_SOURCES = {
+    "allgather": f"nccl-tests all_gather_perf on 8xH100 SXM, ring, 128 KiB-8 GiB ({_TOGETHER}/20260305_220043/"
+                 f"all_gather_ring.out)",
+    "reducescatter": f"nccl-tests reduce_scatter_perf on 8xH100 SXM, ring, 128 KiB-8 GiB ({_TOGETHER}/"
+                     f"20260305_220043/reduce_scatter_ring.out)",
+    "allreduce": f"nccl-tests all_reduce_perf on 8xH100 SXM, NVLS, 1 MiB-8 GiB ({_TOGETHER}/20260305_221443/"
+                 f"all_reduce_nvls.out)",
+}
+_ON_H200 = ("measured on H100 SXM, taken for H200 SXM: the same NVLink 4 (18 links, 900 GB/s a GPU) and "
+            "NVSwitch; no published 8xH200 figures for it were at hand; replace with all_gather_perf / "
+            "reduce_scatter_perf output from the machine (--comm-table)")
 
 
 def algorithm_factor(kind: str, ranks: int) -> float:
@@ -116,15 +137,20 @@ def _table(kind: str, points, source: str) -> BusTable:
     return BusTable(kind, tuple(s for s, _ in points), tuple(b for _, b in points), 8, source)
 
 
-def _nvlink(name: str, note: str | None) -> Interconnect:
-    ar = _H200_SOURCE if note is None else f"{_H200_SOURCE}; {note}"
-    tables = {"allreduce": _table("allreduce", _H200_ALLREDUCE, ar)}
-    for kind in ("allgather", "reducescatter"):
-        tables[kind] = _table(kind, _H200_ALLREDUCE, f"{ar}; {_RING_NOTE}")
-    return Interconnect(name, tables, f"all-reduce: {ar}; all-gather and reduce-scatter: {_RING_NOTE}")
+def _nvlink(name: str) -> Interconnect:
+    """An 8-GPU NVLink node: h100-nvlink every table from the H100 node's output,
+    h200-nvlink the H200 all-reduce and the H100 node's all-gather and reduce-scatter."""
+    points = {"allreduce": _H100_ALLREDUCE, "allgather": _H100_ALLGATHER, "reducescatter": _H100_REDUCESCATTER}
+    sources = dict(_H100_SOURCES)
+    if name == "h200-nvlink":
+        points["allreduce"], sources["allreduce"] = _H200_ALLREDUCE, _H200_SOURCE
+        for kind in ("allgather", "reducescatter"):
+            sources[kind] = f"{sources[kind]}; {_ON_H200}"
+    tables = {kind: _table(kind, points[kind], sources[kind]) for kind in KINDS}
+    return Interconnect(name, tables, "; ".join(f"{kind}: {t.source}" for kind, t in tables.items()))
 
 
-INTERCONNECTS = {"h200-nvlink": _nvlink("h200-nvlink", None), "h100-nvlink": _nvlink("h100-nvlink", _H100_NOTE)}
+INTERCONNECTS = {name: _nvlink(name) for name in ("h200-nvlink", "h100-nvlink")}
 
 
 def flat(busbw_gbps: float) -> Interconnect:
