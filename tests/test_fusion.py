@@ -193,3 +193,14 @@ def test_unit_axes_split_only_where_asked(dp, tp):
             assert ("deviceIdx.x" in unsplit) == (tp > 1)
             assert ("deviceIdx.y" in unsplit) == (dp > 1 and "deviceIdx.y" in split)
             assert "DeviceMesh" in unsplit   # still on the mesh
+
+
+def test_every_point_a_schedule_offers_options_for_begins_a_fusion():
+    """fusion_points (what fusion_options may name) is exactly where the passes'
+    fusions begin, for every named schedule: an option it takes is applied."""
+    from tpfuser.parallel.schedule import build_backward, build_forward
+    cfg = preset("tiny", dtype="bf16")
+    for name, schedule in SCHEDULES.items():
+        layout = Layout(1, 1, sp=schedule.sequence_parallel)
+        passes = [build_forward(cfg, layout, train=True, schedule=schedule), build_backward(cfg, layout, schedule=schedule)]
+        assert {p.point for ps in passes for p in ps.pieces} == schedule.fusion_points(), name

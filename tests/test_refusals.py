@@ -238,13 +238,16 @@ def _api_cases():
         ("schedule_an_int", lambda: load_schedule(42), "schedule=42: expected a name ("),
         ("schedule_chunks_true", lambda: load_schedule({"base": "megatron-overlap", "linears": {"mlp.c_proj": {"chunks": True}}}),
          "schedule field 'linears.mlp.c_proj.chunks': expected a positive int"),
+        ("schedule_options_no_fusion_takes", lambda: load_schedule(
+            {"base": "megatron", "fusion_options": {"attn.c_attn.out": {"disable_options": ["infer_contiguity"]}}}),
+         "schedule field 'fusion_options.attn.c_attn.out': expected a point a fusion of this schedule begins at"),
     ]
 
 
 API_IDS = ["layout_tp_str", "layout_dp_bool", "layout_sp_int", "config_batch_str", "config_n_head_bool", "config_dropout_str",
            "config_dropout_bool", "config_dtype_torch", "preset_override_str", "preset_unknown_field", "preset_not_str",
            "rank_coords_str", "block_rank_str", "block_rank_bool", "block_rank_beyond", "block_cfg_a_name",
-           "schedule_an_int", "schedule_chunks_true"]
+           "schedule_an_int", "schedule_chunks_true", "schedule_options_no_fusion_takes"]
 
 
 @pytest.mark.parametrize("case_id", API_IDS)

@@ -138,6 +138,10 @@ class Schedule:
         unknown = [c for c in self.cuts if c not in FORWARD_CUTS + BACKWARD_CUTS]
         if unknown:
             _refuse("cuts", f"cut points among {', '.join(FORWARD_CUTS + BACKWARD_CUTS)}", unknown)
+        missing = sorted(set(self.fusion_options) - self.fusion_points())
+        if missing:   # options for a fusion this schedule does not have would be taken and never applied
+            _refuse(f"fusion_options.{missing[0]}", "a point a fusion of this schedule begins at: one of "
+                    + ", ".join(repr(p) for p in sorted(self.fusion_points())), missing[0])
         hintable = tuple(c for c in FORWARD_CUTS + BACKWARD_CUTS if c != "masks")   # ("masks": nothing crosses it)
         if [c for c in self.segment_hints if c not in hintable] or set(self.segment_hints) & self.fusion_cuts():
             _refuse("segment_hints", f"points among {', '.join(hintable)}, none of them a cut", self.segment_hints)
@@ -167,6 +171,11 @@ class Schedule:
             if linear in COLUMN:
                 cuts |= {f"grad:{linear}.in", f"grad:{linear}.in.out"}
         return frozenset(cuts)
+
+    def fusion_points(self) -> frozenset[str]:
+        """The points a fusion begins at in some pass: "" (a pass's first), every
+        cut, and "masks" where the masks are drawn by a fusion of their own."""
+        return self.fusion_cuts() | {""} | ({"masks"} if self.masks == "fusion" else set())
 
     def form(self) -> Form:
         """How the fusions are written under this schedule (block/form.py)."""
