@@ -78,6 +78,8 @@ CASES = [
      ["a 1x2 mesh needs 2 GPUs, one per rank; this machine has 0"], True),
     ("check_no_gpu", ["check"], {}, ["no CUDA device here: running the fusions needs a CUDA GPU"], True),
     ("bench_no_gpu", ["bench", "--preset", "tiny", "--impl", "eager"], {}, ["benchmarking needs a CUDA GPU"], True),
+    ("bench_startup_no_gpu", ["bench", "--startup", "--preset", "tiny"], {}, ["benchmarking needs a CUDA GPU",
+                                                                             "--startup's fresh processes"], True),
     ("torchrun_show_no_cuda", ["show"], TORCHRUN_2,
      ["under a launcher (WORLD_SIZE=2) on a machine without a CUDA device"], True),
     ("torchrun_bench_no_cuda", ["bench", "--preset", "tiny", "--tp", "2"], TORCHRUN_2,

@@ -52,3 +52,22 @@ def test_a_table_row_for_every_implementation_failed_or_not():
            "gpu": "H200", "rows": [row, {"impl": "compile", "pass": "forward", "error": "exit 1: boom"}]}
     text = format_startup(rep)
     assert "nvfuser" in text and "9.0" in text and "FAILED: exit 1: boom" in text
+
+
+def test_the_command_fails_when_no_implementation_was_measured(monkeypatch, capsys, tmp_path):
+    """Every fresh process failed: the table and JSON are still written, and the exit status says so."""
+    import torch
+    from tpfuser import cli
+    from tpfuser.bench import cli as bench_cli
+    rows = {"all": [{"impl": "nvfuser", "pass": "forward", "error": "exit 1: boom"}],
+            "some": [{"impl": "nvfuser", "pass": "forward", "import_s": 1.0, "build_s": 1.0, "first_call_s": 1.0,
+                      "second_call_s": 0.001}, {"impl": "eager", "pass": "forward", "error": "exit 1: boom"}]}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")   # (the report's environment)
+    for which, want in (("all", 1), ("some", 0)):
+        monkeypatch.setattr(bench_cli, "run_startup", lambda *a, **k: {
+            "kind": "startup", "preset": "tiny", "config": {"dtype": "bf16", "dropout": 0.1},
+            "schedule": {"name": "megatron"}, "gpu": None, "rows": rows[which]})
+        out = tmp_path / f"{which}.json"
+        assert cli.main(["bench", "--startup", "--preset", "tiny", "--json", str(out)]) == want, which
+        assert out.exists() and "FAILED: exit 1: boom" in capsys.readouterr().out

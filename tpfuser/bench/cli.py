@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import sys
 
+import torch
+
 from tpfuser.bench.impls import IMPLS, check_impls
 from tpfuser.bench.plot import plot_reports
 from tpfuser.bench.report import format_table, validate_report
@@ -71,8 +73,11 @@ def bench_main(args, argv) -> int:
         check_writable(args.json, "--json")
         check_writable(args.png, "--png")
         if args.startup:
+            if not torch.cuda.is_available():   # (its processes would each fail on it, one after another)
+                raise RuntimeError("benchmarking needs a CUDA GPU (--startup's fresh processes each run on it)")
             rep = run_startup(args.preset, cfg, layout, schedule, impls, train=args.train)
-            return _report(rep, args, startup=True)
+            status = _report(rep, args, startup=True)
+            return 1 if all("error" in row for row in rep["rows"]) else status   # nothing measured
         check_launch(layout)
         if layout.world_size > 1:
             if not in_launcher():   # one rank per GPU under torchrun, or a clear refusal
