@@ -137,3 +137,16 @@ def test_backward_intermediates_are_placed_where_the_collectives_go():
         assert sp[name] == tp[name] == {0: DP}, name
     for name in ("g.ln_1.out", "g.ln_2.out"):
         assert sp[name] == {0: DP, 1: TP} and tp[name] == {0: DP}, name
+
+
+def test_chunks_sets_every_chunked_linear_and_one_runs_them_whole(tmp_path):
+    """--chunks N overrides an overlapped schedule's chunk count; --chunks 1 is the
+    same schedule with every linear whole (a sweep's first point), not a refusal."""
+    for n, want in ((2, 2), (1, 1)):
+        path = tmp_path / f"plan{n}.json"
+        assert main(["plan", "--preset", "gpt3", "--tp", "8", "--schedule", "megatron-overlap", "--chunks", str(n),
+                     "--json", str(path)]) == 0
+        rep = json.loads(path.read_text())
+        assert rep["schedule"]["name"] == f"megatron-overlap/{n}"
+        assert {c.get("chunks", 1) for c in rep["collectives"] + rep["backward_collectives"]} == {want}
+        assert {lin["overlap"] for lin in rep["schedule"]["linears"].values()} == ({"fusions"} if n > 1 else {"none"})

@@ -21,6 +21,7 @@ DIR = "{tmp}"   # a directory that exists
 FILES = {"{fifo}": None, "{file}": "", "{dangling}": "->gone/plan.json", "{notjson}": "median 1.0 ms\n",
          "{truncated}": '{"base": "megatron", "linears": {', "{list}": "[1, 2]",
          "{chunks_true}": '{"base": "megatron-overlap", "linears": {"mlp.c_proj": {"chunks": true}}}',
+         "{chunks_ok}": '{"base": "megatron-overlap", "name": "mine"}',
          "{style_int}": '{"base": "megatron", "linears": {"mlp.c_proj": {"style": 3}}}'}
 
 
@@ -102,6 +103,12 @@ CASES = [
      ["chunks", "expected a positive int", "got 0"], False),
     ("plan_chunks_no_chunked_linear", ["plan", "--chunks", "4"], {}, ["--chunks=4: schedule 'megatron' chunks no linear"],
      False),
+    ("plan_chunks_not_dividing", ["plan", "--schedule", "megatron-overlap", "--chunks", "3"], {},
+     ["--chunks=3: expected a divisor of the rank's tokens (b/dp x s) = 64"], False),
+    ("bench_chunks_not_dividing", ["bench", "--preset", "tiny", "--schedule", "megatron-overlap", "--chunks", "3"], {},
+     ["--chunks=3: expected a divisor of the rank's tokens (b/dp x s) = 64"], False),
+    ("plan_sp_schedule_file", ["plan", "--sp", "--schedule-file", "{chunks_ok}"], {},
+     ["--sp with --schedule-file=", "which is not sequence-parallel"], False),
     ("plan_schedule_file_directory", ["plan", "--schedule-file", "{tmp}"], {}, ["--schedule-file=", "not a file"], False),
     ("plan_schedule_file_fifo", ["plan", "--schedule-file", "{fifo}"], {}, ["--schedule-file=", "not a file"], False),
     ("plan_schedule_file_not_json", ["plan", "--schedule-file", "{notjson}"], {}, ["not readable as JSON"], False),

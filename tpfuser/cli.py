@@ -28,7 +28,7 @@ from tpfuser.outputs import ArgParser, check_writable, write_json
 from tpfuser.parallel.overlap_model import (BUSBW_GBPS, TFLOPS, check_chunks, check_rates, format_overlap,
                                             overlap_model)
 from tpfuser.parallel.report import format_plan, plan_report
-from tpfuser.parallel.schedule_options import resolve_schedule, schedule_args
+from tpfuser.parallel.schedule_options import check_schedule, resolve_schedule, schedule_args
 from tpfuser.parallel.schedules import known_failure
 from tpfuser.predict.command import add_predict_arguments, check_predict_arguments, predict_command
 from tpfuser.verify.dtypes import check_side_by_side, side_by_side_refusal
@@ -63,7 +63,7 @@ def _cfg(args):
     cfg, schedule = preset(args.preset, **overrides), resolve_schedule(args)
     layout = schedule.layout(args.dp, args.tp)
     layout.check(cfg)
-    schedule.check(cfg, layout)
+    check_schedule(args, schedule, cfg, layout)
     return cfg, layout, schedule
 
 

@@ -18,7 +18,7 @@ from tpfuser.dist.launch import relaunch
 from tpfuser.dist.sharegpu import SHARED_GPU_MARK
 from tpfuser.dist.world import check_launch, in_launcher, init_rank, rank_groups
 from tpfuser.outputs import check_writable, write_json
-from tpfuser.parallel.schedule_options import resolve_schedule
+from tpfuser.parallel.schedule_options import check_schedule, resolve_schedule
 from tpfuser.parallel.schedules import known_failure
 from tpfuser.verify.meshes import environment
 # None of these imports nvFuser (bench.impls imports the runtime where a block
@@ -66,7 +66,7 @@ def bench_main(args, argv) -> int:
             raise ValueError(f"--iters={args.iters}: expected a positive int (samples per implementation)")
         cfg = preset(args.preset, dtype="bf16", **({} if args.dropout is None else {"dropout": args.dropout}))
         layout.check(cfg)
-        schedule.check(cfg, layout)
+        check_schedule(args, schedule, cfg, layout)
         if known_failure(cfg, layout, schedule):
             raise ValueError(known_failure(cfg, layout, schedule))
         check_impls(impls or (), layout, args.train, schedule, cfg)

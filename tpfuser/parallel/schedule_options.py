@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from tpfuser.parallel.schedules import SCHEDULES, load_schedule
+from tpfuser.parallel.schedules import SCHEDULES, ChunksRefused, load_schedule
 
 
 def schedule_args(p: argparse.ArgumentParser) -> None:
@@ -15,7 +15,7 @@ def schedule_args(p: argparse.ArgumentParser) -> None:
                    help=f"a named schedule: {', '.join(SCHEDULES)} (default: megatron, or megatron-sp with --sp)")
     p.add_argument("--schedule-file", default=None, metavar="FILE", help="a schedule as JSON (README: Schedules)")
     p.add_argument("--chunks", type=int, default=None, metavar="N",
-                   help="stream chunks for every linear the schedule chunks (overrides its count)")
+                   help="stream chunks for every linear the schedule chunks (overrides its count; 1 runs them whole)")
 
 
 def resolve_schedule(args):
@@ -28,7 +28,8 @@ def resolve_schedule(args):
         check_readable(args.schedule_file, "--schedule-file")
     schedule = load_schedule(spec)
     if getattr(args, "sp", False) and not schedule.sequence_parallel:
-        raise ValueError(f"--sp with --schedule {schedule.name!r}, which is not sequence-parallel: "
+        given = f"--schedule-file={args.schedule_file!r}" if args.schedule_file else f"--schedule {schedule.name!r}"
+        raise ValueError(f"--sp with {given}, which is not sequence-parallel: "
                          f"drop --sp or name a sequence-parallel schedule (megatron-sp)")
     if args.chunks is not None:
         if isinstance(args.chunks, bool) or not isinstance(args.chunks, int) or args.chunks < 1:
@@ -36,10 +37,21 @@ def resolve_schedule(args):
         if not schedule.chunked():
             raise ValueError(f"--chunks={args.chunks}: schedule {schedule.name!r} chunks no linear "
                              f"(an overlapped schedule does: megatron-overlap, megatron-sp-overlap)")
-        linears = {name: plan.__class__(**{**plan.__dict__, "chunks": args.chunks}) if plan.chunks > 1 else plan
+        given = {"chunks": args.chunks, **({"overlap": "none"} if args.chunks == 1 else {})}   # 1: run them whole
+        linears = {name: plan.__class__(**{**plan.__dict__, **given}) if plan.chunks > 1 else plan
                    for name, plan in schedule.linears.items()}
         schedule = schedule.replace(name=f"{schedule.name}/{args.chunks}", linears=linears)
     return schedule
+
+
+def check_schedule(args, schedule, cfg, layout) -> None:
+    """schedule.check, its chunks refused as --chunks where that option set them."""
+    try:
+        schedule.check(cfg, layout)
+    except ChunksRefused as e:
+        if getattr(args, "chunks", None) is None:
+            raise
+        raise ValueError(f"--chunks={args.chunks}: expected a divisor of {e.what} = {e.rows}") from None
 
 
 def check_readable(path: str, option: str) -> None:

@@ -76,6 +76,15 @@ class LinearSchedule:
         return self.style.endswith("-sp")
 
 
+class ChunksRefused(ValueError):
+    """A linear's stream chunks that do not divide what it splits on this mesh (Schedule.check)."""
+
+    def __init__(self, linear: str, what: str, rows: int, chunks: int):
+        super().__init__(f"schedule field 'linears.{linear}.chunks': expected a divisor of {what} = {rows}, "
+                         f"got {chunks}")
+        self.what, self.rows = what, rows
+
+
 @dataclass(frozen=True)
 class Schedule:
     """The whole block's schedule; `linears` by name (LINEARS). cuts: where the
@@ -209,8 +218,7 @@ class Schedule:
             rows = cfg.seq // layout.tp if plan.sequence_parallel else cfg.batch // layout.dp * cfg.seq
             what = "the rank's part of the sequence (s/tp)" if plan.sequence_parallel else "the rank's tokens (b/dp x s)"
             if rows % plan.chunks:
-                raise ValueError(f"schedule field 'linears.{linear}.chunks': expected a divisor of {what} = "
-                                 f"{rows}, got {plan.chunks}")
+                raise ChunksRefused(linear, what, rows, plan.chunks)
 
     def options(self, point: str) -> dict:
         """fd.execute's option keywords for the fusion beginning at cut `point`."""
