@@ -43,10 +43,10 @@ from tpfuser.verify.meshes import run_checks
 NO_GPU = "no CUDA device here: running the fusions needs a CUDA GPU (show and plan work without one)"
 
 
-def _block_args(p: argparse.ArgumentParser, several_dtypes: bool = False) -> None:
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+def _block_args(p: argparse.ArgumentParser, several_dtypes: bool = False, dtype_default: str = "the preset's") -> None:
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="(default: tiny)")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], nargs="+" if several_dtypes else None,
-                   help="one or more (check) " * several_dtypes + "(default: the preset's)")
+                   help="one or more (check) " * several_dtypes + f"(default: {dtype_default})")
     p.add_argument("--dropout", type=float, default=None, help="default: the preset's")
     p.add_argument("--n-head", type=int, default=None, help="the heads (default: the preset's; n_embd stays)")
     p.add_argument("--dp", type=int, default=1)
@@ -190,7 +190,8 @@ def _parser(argv) -> ArgParser:
                           ("check", cmd_check, "check the fusions against the reference on GPU"),
                           ("main", cmd_main, "check on GPUs if any, else show the fusions and plan")):
         p = sub.add_parser(name, help=hlp)
-        _block_args(p, several_dtypes=name == "check")
+        _block_args(p, several_dtypes=name == "check",
+                    dtype_default="fp32 and bf16 on a GPU, the preset's without" if name == "main" else "the preset's")
         p.set_defaults(fn=fn)
         if name == "show":
             p.add_argument("--ir", action="store_true", help="nvFuser's full text of each fusion")

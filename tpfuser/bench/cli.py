@@ -13,7 +13,7 @@ from tpfuser.bench.plot import plot_reports
 from tpfuser.bench.report import format_table, validate_report
 from tpfuser.bench.run import bench
 from tpfuser.bench.startup import format_startup, run_startup
-from tpfuser.config import preset
+from tpfuser.config import PRESETS, preset
 from tpfuser.dist.launch import relaunch
 from tpfuser.dist.sharegpu import SHARED_GPU_MARK
 from tpfuser.dist.world import check_launch, in_launcher, init_rank, rank_groups
@@ -27,7 +27,7 @@ from tpfuser.verify.meshes import environment
 
 def add_bench_arguments(ap) -> None:
     """bench's options, on its own parser (python -m tpfuser.bench) or tpfuser's subparser."""
-    ap.add_argument("--preset", default="nanogpt")
+    ap.add_argument("--preset", default="nanogpt", choices=sorted(PRESETS), help="(default: nanogpt)")
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--sp", action="store_true", help="sequence parallelism (the default schedule: megatron-sp)")
