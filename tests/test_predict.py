@@ -269,3 +269,11 @@ def test_the_h200_gather_and_scatter_tables_say_they_are_h100_figures():
     for kind in ("allgather", "reducescatter"):
         assert "8xH100" in tables[kind].source and "taken for H200" in tables[kind].source
     assert "8xH200" in tables["allreduce"].source
+
+
+def test_the_clock_shown_is_the_one_read_after_the_timing():
+    from tpfuser.predict.command import _clock
+    assert _clock({"sm_clock_mhz": 345.0, "sm_clock_mhz_after": 1950.0, "max_sm_clock_mhz": 1980.0}) == \
+        "SM clock 1950 of 1980 MHz after its timing"
+    assert _clock({"sm_clock_mhz": 345.0}) == "SM clock 345 MHz before its timing"
+    assert _clock({"sm_clock_mhz": None}) == "SM clock unknown"

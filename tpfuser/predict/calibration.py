@@ -198,7 +198,8 @@ class Calibration:
         return self._at(preset, tp)["whole"]
 
     def summary(self) -> dict:
-        keys = ("gpu", "sm_clock_mhz", "torch", "cuda", "date", "commit", "command", "stand_in", "complete")
+        keys = ("gpu", "sm_clock_mhz", "sm_clock_mhz_after", "max_sm_clock_mhz", "torch", "cuda", "date", "commit",
+                "command", "stand_in", "complete")
         return {"path": self.path, **{k: self.data.get(k) for k in keys}}
 
 

@@ -44,6 +44,14 @@ class _AndPredict(argparse.Action):
         namespace.predict = True
 
 
+
+def _clock(c: dict) -> str:
+    """The SM clock the calibration read: after its timing where it has it (before, the GPU may idle)."""
+    if c.get("sm_clock_mhz_after"):
+        peak = f" of {c['max_sm_clock_mhz']:g}" if c.get("max_sm_clock_mhz") else ""
+        return f"SM clock {c['sm_clock_mhz_after']:g}{peak} MHz after its timing"
+    return f"SM clock {c['sm_clock_mhz']:g} MHz before its timing" if c.get("sm_clock_mhz") else "SM clock unknown"
+
 def add_predict_arguments(p) -> None:
     p.add_argument("--predict", action="store_true",
                    help="also predict one rank's forward and backward on a timeline (compute and communication)")
@@ -126,7 +134,7 @@ def _format(rep: dict) -> str:
     if c["stand_in"]:
         out.append("STAND-IN calibration (made up for the tests, not measured on a GPU): every time below is a placeholder")
     out.append(f"prediction, one rank: {rep['preset']} at tp {rep['tp']} ({rep['parallelism']}), schedule "
-               f"{rep['schedule']}; pieces from {c['path']} ({c['gpu']}, {c.get('sm_clock_mhz') or '?'} MHz, "
+               f"{rep['schedule']}; pieces from {c['path']} ({c['gpu']}, {_clock(c)}, "
                f"commit {c['commit']}, {c['date']}); collectives from {rep['interconnect']['name']}")
     for kind in PASSES:
         out += [""] + _table(kind, rep[kind], f"ms; 'beside': the slowdown beside a collective, "
