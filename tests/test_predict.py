@@ -29,8 +29,14 @@ def test_interpolation_hits_the_published_points_and_logs_between():
     t = comm.interconnect("h200-nvlink").tables["allreduce"]
     for mib, bw in PUBLISHED.items():
         assert t.busbw(mib * MiB) == pytest.approx(bw)
-    frac = math.log2(48 / 32)   # 48 MiB sits 0.585 of the way from 32 to 64 MiB in log2(size)
-    assert t.busbw(48 * MiB) == pytest.approx(276 + frac * (347 - 276))
+    frac = math.log2(48 / 32)   # 48 MiB sits 0.585 of the way from 32 to 64 MiB in log(size)
+    assert t.busbw(48 * MiB) == pytest.approx(276 * (347 / 276) ** frac)
+    # where busbw doubles with size (the latency floor), time stays flat between the points
+    ag = comm.interconnect("h200-nvlink").tables["allgather"]
+    lo, hi = ag.sizes[0], ag.sizes[1]
+    assert ag.busbw(hi) / ag.busbw(lo) == pytest.approx(2, rel=0.01)
+    mid = (lo * hi) ** 0.5
+    assert ag.time_ms(mid, 8) == pytest.approx(ag.time_ms(lo, 8), rel=0.01)
     # the issue's fit, 52 us + size / 227 GB/s, at the size that matters (gpt3's 48 MiB all-reduce)
     assert t.time_ms(48 * MiB, 8) == pytest.approx((52e-6 + 48 * MiB / 227e9) * 1e3, rel=0.03)
     assert t.time_ms(64 << 10, 8) == pytest.approx(t.time_ms(1 * MiB, 8))   # the latency floor below 1 MiB

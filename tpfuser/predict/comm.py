@@ -98,15 +98,16 @@ class BusTable:
             raise ValueError(f"{where}: bandwidths expected positive and finite GB/s, got {list(self.busbw_gbps)}")
 
     def busbw(self, nbytes: float) -> float:
-        """Bus bandwidth, GB/s, at a message of nbytes (log2-size interpolation, held at the ends)."""
+        """Bus bandwidth, GB/s, at a message of nbytes: log(busbw) linear in log(size) between the
+        table's points (where busbw doubles with size, as at the latency floor, time stays flat), held at the ends."""
         sizes, bw = self.sizes, self.busbw_gbps
         if nbytes <= sizes[0]:
             return bw[0]
         if nbytes >= sizes[-1]:
             return bw[-1]
         i = next(i for i in range(1, len(sizes)) if nbytes <= sizes[i])
-        t = (math.log2(nbytes) - math.log2(sizes[i - 1])) / (math.log2(sizes[i]) - math.log2(sizes[i - 1]))
-        return bw[i - 1] + t * (bw[i] - bw[i - 1])
+        t = (math.log(nbytes) - math.log(sizes[i - 1])) / (math.log(sizes[i]) - math.log(sizes[i - 1]))
+        return bw[i - 1] * (bw[i] / bw[i - 1]) ** t
 
     def time_ms(self, nbytes: float, ranks: int) -> float:
         """One collective of a tensor of nbytes over `ranks` ranks, ms; 0 for a team of one."""

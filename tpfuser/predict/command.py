@@ -226,8 +226,8 @@ def predict_command(cfg, layout, schedule, args) -> dict:
                                            "ranks": t.ranks, "source": t.source} for k, t in net.tables.items()}},
            "assumptions": {"slowdown_beside_comm_default": SLOWDOWN_BESIDE_COMM,
                            "comm_slowdown_beside_compute": COMM_SLOWDOWN_BESIDE_COMPUTE,
-                           "model": "tpfuser/predict/timeline.py's docstring", "interpolation": "busbw linear in "
-                           "log2(size), time held below the smallest size, busbw held above the largest"},
+                           "model": "tpfuser/predict/timeline.py's docstring", "interpolation": "log(busbw) linear in "
+                           "log(size), time held below the smallest size, busbw held above the largest"},
            **result, "anchors": ANCHORS.get(key, []), "calibration_check": check_sums(cal, args.preset),
            "communication_checked": False,
            "communication_note": f"communication: not checked (one GPU cannot run a collective over tp); its "
