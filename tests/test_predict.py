@@ -283,3 +283,25 @@ def test_the_clock_shown_is_the_one_read_after_the_timing():
         "SM clock 1950 of 1980 MHz after its timing"
     assert _clock({"sm_clock_mhz": 345.0}) == "SM clock 345 MHz before its timing"
     assert _clock({"sm_clock_mhz": None}) == "SM clock unknown"
+
+
+def test_goal_verdict_scaled_to_the_measured_whole(tmp_path, capsys):
+    """The goal's verdict again with each pass's pieces scaled to the measured whole pass
+    (the calibration check's error): none where they add up exactly, all of it where not."""
+    data = json.load(open(STANDIN))
+    at = data["presets"]["gpt3"]["tp"]["8"]
+    cal = read_calibration(STANDIN)
+    pieces = cal.pieces("gpt3", 8, False)
+    at["whole"]["forward_ms"] = calibration.pass_sum(pieces, "forward")         # error 0
+    at["whole"]["backward_ms"] = 2 * calibration.pass_sum(pieces, "backward")   # the pieces are half the whole
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(data))
+    cfg, schedule = preset("gpt3"), SCHEDULES["megatron"]
+    rep = predict_command(cfg, schedule.layout(1, 8), schedule, _args("--calibration", str(path)))
+    scaled = rep["goal"]["scaled_to_whole"]
+    assert scaled["forward"]["error"] == pytest.approx(0, abs=1e-12)
+    assert scaled["forward"]["pass_ms"] == pytest.approx(rep["forward"]["pass_ms"])
+    assert scaled["backward"]["error"] == pytest.approx(-0.5)
+    assert scaled["backward"]["pass_ms"] >= 2 * rep["backward"]["compute_ms"]
+    assert scaled["backward"]["met"] == (scaled["backward"]["pass_ms"] <= 4.0)
+    assert "-50.0 % against the measured whole backward at tp 8; scaled to it" in capsys.readouterr().out

@@ -204,7 +204,8 @@ def _parser(argv) -> ArgParser:
             p.add_argument("--overlap", type=int, default=None, metavar="N",
                            help="also the forward-only overlap model with every collective in N chunks")
             p.add_argument("--bandwidth", type=float, default=None,
-                           help=f"bus bandwidth for --overlap, GB/s (default {BUSBW_GBPS:.0f}, assumed)")
+                           help=f"bus bandwidth for --overlap, GB/s (default {BUSBW_GBPS:.0f}, assumed); with "
+                                f"--predict it replaces every table by this flat rate, no latency (chunks look free)")
             p.add_argument("--tflops", type=float, default=None,
                            help=f"matmul rate for --overlap, TFLOP/s (default {TFLOPS:.0f}, measured on an H200)")
             add_predict_arguments(p)

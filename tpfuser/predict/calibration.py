@@ -152,6 +152,12 @@ class Pieces:
         """Measured time beside the copy over alone, or None where not measured."""
         return self.beside.get(kind, {}).get(piece, {}).get(str(chunks))
 
+    def scaled(self, factor: dict) -> "Pieces":
+        """Every piece of a pass times factor[pass] (e.g. to make the pieces add up to the measured whole)."""
+        times = lambda v, f: {c: ms * f for c, ms in v.items()} if isinstance(v, dict) else v * f   # noqa: E731
+        return Pieces({k: {p: times(v, factor.get(k, 1.0)) for p, v in by.items()} for k, by in self.passes.items()},
+                      self.beside, self.where + " scaled to the measured whole pass")
+
     def mean_slowdown(self) -> float | None:
         ratios = [r for by in self.beside.values() for c in by.values() for r in c.values()]
         return sum(ratios) / len(ratios) if ratios else None

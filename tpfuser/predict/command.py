@@ -114,6 +114,18 @@ def in_the_way(summary: dict, goal_ms: float) -> dict | None:
             else compute_piece["piece"]}
 
 
+def _scaled_to_whole(cfg, layout, schedule, cal, net, preset, check: list[dict], goal: dict) -> dict:
+    """The prediction again with each pass's pieces scaled by the calibration check's
+    measured whole over their sum at this tp: the goal's verdict within the check's own error."""
+    rows = {r["pass"]: r for r in check if r["tp"] == layout.tp}
+    if set(rows) != set(PASSES):
+        return {}
+    factor = {k: 1 / (1 + rows[k]["error"]) for k in PASSES}
+    again = predict(cfg, layout, schedule, cal.pieces(preset, layout.tp, layout.sp).scaled(factor), net)
+    return {k: {"error": rows[k]["error"], "pass_ms": again[k]["pass_ms"], "met": again[k]["pass_ms"] <= goal[k]}
+            for k in PASSES}
+
+
 def _table(kind: str, s: dict, title: str) -> list[str]:
     lines = [f"{kind} ({title})", f"  {'piece':<58}{'compute':>9}{'beside':>9}{'comm':>9}{'exposed':>9}"]
     cell = lambda v, show: f"{v:9.3f}" if show else " " * 9   # noqa: E731
@@ -143,7 +155,7 @@ def _format(rep: dict) -> str:
     if goal:
         out.append("")
         for kind in PASSES:
-            g, way = goal[kind], goal["in_the_way"][kind]
+            g, way, scaled = goal[kind], goal["in_the_way"][kind], goal["scaled_to_whole"].get(kind)
             if way is None:
                 out.append(f"goal: {kind} {rep[kind]['pass_ms']:.3f} ms <= {g} ms: met")
             else:
@@ -153,6 +165,10 @@ def _format(rep: dict) -> str:
                            f"{fix}; in the way: {way['stands_in_the_way']} (largest exposed collective "
                            f"{way['largest_exposed'][0]} {way['largest_exposed'][1]:.3f} ms, largest compute piece "
                            f"{way['largest_compute'][0]} {way['largest_compute'][1]:.3f} ms)")
+            if scaled:
+                out.append(f"      the calibration's pieces add up to {100 * scaled['error']:+.1f} % against the measured "
+                           f"whole {kind} at tp {rep['tp']}; scaled to it, {scaled['pass_ms']:.3f} ms: "
+                           f"{'met' if scaled['met'] else 'missed'}")
     if rep["anchors"]:
         out += ["", "anchors, one GPT-3 layer on 8xH100 (ms; theirs ran on H100, these pieces on the calibration's GPU):",
                 f"  {'':<46}{'forward':>9}{'backward':>9}"]
@@ -234,7 +250,9 @@ def predict_command(cfg, layout, schedule, args) -> dict:
                                  f"times come from {net.name}: {net.source}"}
     if key in GOALS:
         goal = GOALS[key]
-        rep["goal"] = {**goal, "in_the_way": {k: in_the_way(result[k], goal[k]) for k in PASSES}}
+        rep["goal"] = {**goal, "in_the_way": {k: in_the_way(result[k], goal[k]) for k in PASSES},
+                       "scaled_to_whole": _scaled_to_whole(cfg, layout, schedule, cal, net, args.preset,
+                                                           rep["calibration_check"], goal)}
     if args.compare:
         rep["compare"] = _compare(cfg, layout, cal, net, args.preset)
     print()
