@@ -305,3 +305,22 @@ def test_goal_verdict_scaled_to_the_measured_whole(tmp_path, capsys):
     assert scaled["backward"]["pass_ms"] >= 2 * rep["backward"]["compute_ms"]
     assert scaled["backward"]["met"] == (scaled["backward"]["pass_ms"] <= 4.0)
     assert "-50.0 % against the measured whole backward at tp 8; scaled to it" in capsys.readouterr().out
+
+
+def test_what_chunking_the_collectives_costs(capsys):
+    """A chunked collective's messages are smaller, so slower per byte: the goal
+    line names what the chunks cost against the same collectives whole."""
+    net, cfg = comm.interconnect("h200-nvlink"), preset("gpt3")
+    ar = lambda nbytes: net.time_ms("allreduce", nbytes, 8)   # noqa: E731
+    whole = 1 * 2048 * 12288 * 2   # one (b, s, e) bf16 activation
+    args = _args("--calibration", STANDIN)
+    base = predict_command(cfg, SCHEDULES["megatron"].layout(1, 8), SCHEDULES["megatron"], args)
+    over = predict_command(cfg, SCHEDULES["megatron-overlap"].layout(1, 8), SCHEDULES["megatron-overlap"], args)
+    n = SCHEDULES["megatron-overlap"].linears["attn.c_proj"].chunks
+    assert base["forward"]["comm_ms"] == pytest.approx(base["forward"]["comm_whole_ms"]) == pytest.approx(2 * ar(whole))
+    assert over["forward"]["comm_whole_ms"] == pytest.approx(2 * ar(whole))
+    assert over["forward"]["comm_ms"] == pytest.approx(2 * n * ar(whole / n))
+    way = over["goal"]["in_the_way"]["forward"]
+    assert way["chunking_cost_ms"] == pytest.approx(2 * (n * ar(whole / n) - ar(whole))) and way["chunking_cost_ms"] > 0
+    out = capsys.readouterr().out
+    assert out.count("chunking the collectives costs") == 1 + (over["goal"]["in_the_way"]["backward"] is not None)

@@ -99,15 +99,18 @@ def _one(cfg, layout, schedule, cal, net, preset) -> dict:
 
 def in_the_way(summary: dict, goal_ms: float) -> dict | None:
     """Where a pass misses its goal: by how much, its largest exposed collective
-    and compute piece, and whether hiding all communication would be enough."""
+    and compute piece, and whether hiding all communication would be enough
+    (the compute, its slowdown, and the slowdown the now-exposed collectives
+    would add beside it: SLOWDOWN_BESIDE_COMM over their time)."""
     miss = summary["pass_ms"] - goal_ms
     if miss <= 0:
         return None
     pieces = summary["pieces"]
     comm_piece = max(pieces, key=lambda r: r["exposed_ms"])
     compute_piece = max(pieces, key=lambda r: r["compute_ms"] + r["slowdown_ms"])
-    busy = summary["compute_ms"] + summary["slowdown_ms"]
-    return {"miss_ms": miss, "largest_exposed": [comm_piece["piece"], comm_piece["exposed_ms"]],
+    busy = summary["compute_ms"] + summary["slowdown_ms"] + (SLOWDOWN_BESIDE_COMM - 1) * summary["exposed_ms"]
+    return {"miss_ms": miss, "chunking_cost_ms": summary["comm_ms"] - summary["comm_whole_ms"],
+            "largest_exposed": [comm_piece["piece"], comm_piece["exposed_ms"]],
             "largest_compute": [compute_piece["piece"], compute_piece["compute_ms"] + compute_piece["slowdown_ms"]],
             "compute_alone_meets_goal": busy <= goal_ms,
             "stands_in_the_way": comm_piece["piece"] if busy <= goal_ms and comm_piece["exposed_ms"] > 0
@@ -165,6 +168,10 @@ def _format(rep: dict) -> str:
                            f"{fix}; in the way: {way['stands_in_the_way']} (largest exposed collective "
                            f"{way['largest_exposed'][0]} {way['largest_exposed'][1]:.3f} ms, largest compute piece "
                            f"{way['largest_compute'][0]} {way['largest_compute'][1]:.3f} ms)")
+                if way["chunking_cost_ms"] > 5e-4:
+                    out.append(f"      chunking the collectives costs {way['chunking_cost_ms']:.3f} ms of communication "
+                               f"({rep[kind]['comm_ms']:.3f} ms in chunks against {rep[kind]['comm_whole_ms']:.3f} whole: "
+                               f"smaller messages run at less busbw)")
             if scaled:
                 out.append(f"      the calibration's pieces add up to {100 * scaled['error']:+.1f} % against the measured "
                            f"whole {kind} at tp {rep['tp']}; scaled to it, {scaled['pass_ms']:.3f} ms: "

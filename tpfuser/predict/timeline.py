@@ -59,6 +59,7 @@ class Op:
     kind: str           # gemm, attention, pointwise, collective
     deps: tuple = ()    # indices of ops it waits for
     slowdown: float = 1.0
+    whole_ms: float = 0.0   # a collective: its time alone unchunked (chunking it costs its chunks' ms over this)
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,8 @@ class _Pass:
         piece = f"{c.kind} {c.where}"
         name = piece if chunks == 1 else f"{piece} [{part}/{chunks}]"
         ms = self.comm.time_ms(c.kind, c.tensor_bytes / chunks, c.team)
-        self.ops.append(Op(name, COMM, ms, piece, "collective", () if self.last is None else (self.last,)))
+        self.ops.append(Op(name, COMM, ms, piece, "collective", () if self.last is None else (self.last,),
+                           whole_ms=self.comm.time_ms(c.kind, c.tensor_bytes, c.team)))
         return len(self.ops) - 1
 
     def stage(self, gemms, linear: str, phase: str, before=(), after=()) -> None:
@@ -199,7 +201,8 @@ def backward_ops(cfg, layout, schedule, pieces, interconnect) -> tuple[list[Op],
 
 def summarize(spans: list[Span]) -> dict:
     """Per piece (in order) and in total: compute alone, its slowdown beside
-    collectives, communication, exposed communication; and the pass's time."""
+    collectives, communication, exposed communication; the collectives' time
+    alone unchunked (comm_whole_ms); and the pass's time."""
     wall = max((s.end for s in spans), default=0.0)
     compute = sorted((s for s in spans if s.op.lane == COMPUTE), key=lambda s: s.start)
     comms = [s for s in spans if s.op.lane == COMM]
@@ -214,8 +217,10 @@ def summarize(spans: list[Span]) -> dict:
             row["slowdown_ms"] += max(0.0, (s.end - s.start) - s.op.ms)
         else:
             row["comm_ms"] += s.end - s.start
+            row["comm_whole_ms"] = s.op.whole_ms
             row["exposed_ms"] += sum(max(0.0, min(b, s.end) - max(a, s.start)) for a, b in idle)
-    totals = {k: sum(r[k] for r in rows.values()) for k in ("compute_ms", "slowdown_ms", "comm_ms", "exposed_ms")}
+    keys = ("compute_ms", "slowdown_ms", "comm_ms", "comm_whole_ms", "exposed_ms")
+    totals = {k: sum(r.get(k, 0.0) for r in rows.values()) for k in keys}
     waited = sum(b - a for a, b in idle)
     return {"pieces": list(rows.values()), **totals, "exposed_ms": waited, "pass_ms": wall,
             "events": [{"lane": s.op.lane, "name": s.op.name, "piece": s.op.piece, "kind": s.op.kind,
