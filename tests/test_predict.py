@@ -21,7 +21,7 @@ from tpfuser.predict.command import add_predict_arguments, check_predict_argumen
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STANDIN = os.path.join(ROOT, "tests", "data", "calibration_standin.json")
-MiB = 1 << 20
+MiB, KiB = 1 << 20, 1 << 10
 PUBLISHED = {1: 39.9, 2: 64.5, 4: 107, 8: 156, 16: 220, 32: 276, 64: 347}   # issue 32: 8xH200 all-reduce busbw
 
 
@@ -39,7 +39,7 @@ def test_interpolation_hits_the_published_points_and_logs_between():
     assert ag.time_ms(mid, 8) == pytest.approx(ag.time_ms(lo, 8), rel=0.01)
     # the issue's fit, 52 us + size / 227 GB/s, at the size that matters (gpt3's 48 MiB all-reduce)
     assert t.time_ms(48 * MiB, 8) == pytest.approx((52e-6 + 48 * MiB / 227e9) * 1e3, rel=0.03)
-    assert t.time_ms(64 << 10, 8) == pytest.approx(t.time_ms(1 * MiB, 8))   # the latency floor below 1 MiB
+    assert t.time_ms(48 << 10, 8) == pytest.approx(t.time_ms(64 << 10, 8))  # the latency floor below 64 KiB
     assert t.busbw(512 * MiB) == pytest.approx(347)                          # held above 64 MiB
     assert t.time_ms(48 * MiB, 1) == 0.0                                     # a team of one posts nothing
 
@@ -263,6 +263,7 @@ def test_calibrate_dry_run_on_the_cpu_writes_a_calibration(tmp_path, capsys):
     ("h200-nvlink", "reducescatter", 1 * MiB, 40.60), ("h200-nvlink", "reducescatter", 32 * MiB, 118.78),
     ("h200-nvlink", "reducescatter", 1 << 30, 2711.56), ("h100-nvlink", "allreduce", 4 * MiB, 56.02),
     ("h100-nvlink", "allreduce", 64 * MiB, 327.16), ("h200-nvlink", "allreduce", 64 * MiB, 7 / 4 * 64 * MiB / 347e3),
+    ("h200-nvlink", "allreduce", 64 * KiB, 35.76), ("h100-nvlink", "allreduce", 256 * KiB, 37.95),
 ])
 def test_shipped_tables_give_the_published_times(interconnect, kind, size, published_us):
     """The busbw columns as shipped, turned back into times, are the sources' time

@@ -10,7 +10,7 @@ each rank's link carries:
     algorithm_bytes = 2 (n-1)/n size    all-reduce (reduce-scatter, then all-gather)
                       (n-1)/n size      all-gather, reduce-scatter
 
-Between a table's sizes, bus bandwidth is interpolated linearly in log2(size);
+Between a table's sizes, log(busbw) is interpolated linearly in log(size);
 below its smallest size the time is held at that size's time (a latency floor:
 it overstates tiny messages); above its largest the bandwidth is held at the
 largest's. A table measured on n ranks is used for any team size: busbw is
@@ -50,6 +50,12 @@ _H100_REDUCESCATTER = _doubling(128 * KiB, (3.12, 6.27, 11.76, 22.60, 44.05, 88.
                                             284.43, 307.89, 327.04, 337.19, 346.49, 351.01, 359.62, 363.18))
 _H100_ALLREDUCE = _doubling(1 * MiB, (43.38, 83.73, 131.03, 172.95, 233.92, 293.22, 358.97, 398.98, 421.78,
                                       437.03, 467.77, 472.84, 477.00, 479.61))
+# Below 1 MiB both all-reduce tables take that node's ring figures at 64-256 KiB
+# (its latency floor, ~36 us; 512 KiB left out: out of place 69.2 us against
+# 44.2 in place, an outlier), so a small fp32 gradient is not billed at 1 MiB.
+_H100_ALLREDUCE_FLOOR = _doubling(64 * KiB, (3.21, 6.15, 12.09))
+_FLOOR_SOURCE = (f"below 1 MiB: all_reduce_perf on 8xH100 SXM, ring, 64-256 KiB ({_TOGETHER}/20260305_220043/"
+                 f"all_reduce_ring.out)")
 _H100_SOURCES = {
     "allgather": f"nccl-tests all_gather_perf on 8xH100 SXM, ring, 128 KiB-8 GiB ({_TOGETHER}/20260305_220043/"
                  f"all_gather_ring.out)",
@@ -147,6 +153,8 @@ def _nvlink(name: str) -> Interconnect:
         points["allreduce"], sources["allreduce"] = _H200_ALLREDUCE, _H200_SOURCE
         for kind in ("allgather", "reducescatter"):
             sources[kind] = f"{sources[kind]}; {_ON_H200}"
+    points["allreduce"] = _H100_ALLREDUCE_FLOOR + points["allreduce"]
+    sources["allreduce"] = f"{sources['allreduce']}; {_FLOOR_SOURCE}"
     tables = {kind: _table(kind, points[kind], sources[kind]) for kind in KINDS}
     return Interconnect(name, tables, "; ".join(f"{kind}: {t.source}" for kind, t in tables.items()))
 
