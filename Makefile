@@ -10,7 +10,7 @@ run: $(VENV)/.ready
 test: $(VENV)/.ready
 	$(VENV)/bin/python -m pytest -q -rs
 
-$(VENV)/.ready: pyproject.toml
+$(VENV)/.ready: pyproject.toml tpfuser/__init__.py
 	@command -v $(PYTHON312) >/dev/null || { echo "need $(PYTHON312): pyenv install 3.12.1 (selected by .python-version)"; exit 1; }
 	test -x $(VENV)/bin/python || $(PYTHON312) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip

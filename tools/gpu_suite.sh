@@ -282,7 +282,7 @@ step_firstcall() {
     IFS=: read -r sched kind threads <<< "$run"
     threads=${threads:--}
     if [[ $kind != train && $kind != forward ]]; then echo "firstcall $run: expected schedule:train|forward[:threads]"; continue; fi
-    tag=firstcall_$(basename "$sched" .json)_${kind}_${threads/-/default}   # (a schedule's name or its file)
+    tag=${sched%.json}; tag=firstcall_${tag//\//.}_${kind}_${threads/-/default}   # a name, or its file's path with . for /
     ( [[ $threads != - ]] && export NVFUSER_NUM_THREADS=$threads
       T ${FIRSTCALL_S:-120} -- python3 tools/probes/first_call_probe.py --schedule "$sched" \
         $([[ $kind == forward ]] && echo --forward) > "$OUT/$tag.json" 2> "$OUT/$tag.err" )
