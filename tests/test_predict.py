@@ -323,5 +323,6 @@ def test_what_chunking_the_collectives_costs(capsys):
     assert over["forward"]["comm_ms"] == pytest.approx(2 * n * ar(whole / n))
     way = over["goal"]["in_the_way"]["forward"]
     assert way["chunking_cost_ms"] == pytest.approx(2 * (n * ar(whole / n) - ar(whole))) and way["chunking_cost_ms"] > 0
+    assert way["chunks_alone_ms"] == pytest.approx(2 * n * ar(whole / n))
     out = capsys.readouterr().out
     assert out.count("chunking the collectives costs") == 1 + (over["goal"]["in_the_way"]["backward"] is not None)
