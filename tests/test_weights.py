@@ -9,7 +9,7 @@ from tpfuser.config import Layout, preset
 from tpfuser.block.tensors import PARAM_NAMES
 from tpfuser.verify.reference import Block, make_block, make_input
 from tpfuser.runtime.block import ShardedBlock
-from tpfuser.runtime.weights import from_hf_gpt2, rank_shards
+from tpfuser.runtime.weights import from_hf_gpt2, model_layer, rank_shards
 
 transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
@@ -118,6 +118,14 @@ def hf_model_state(n_layer=2):
     return dict(GPT2LMHeadModel(hf_config(CFG, n_layer=n_layer)).state_dict())
 
 
+def nanogpt_model_state(n_layer=2):
+    """A nanoGPT GPT's state_dict: its blocks under transformer.h.{i}., besides the embeddings."""
+    state = {"transformer.wte.weight": torch.zeros(50, CFG.n_embd), "lm_head.weight": torch.zeros(50, CFG.n_embd)}
+    for i in range(n_layer):
+        state.update({f"transformer.h.{i}.{k}": v for k, v in make_block(CFG, seed=i).state_dict().items()})
+    return state
+
+
 def fp8(state, dtype=torch.float8_e4m3fn):
     return {k: v.to(dtype) for k, v in state.items()}
 
@@ -134,7 +142,17 @@ LOAD_REFUSALS = [
      ["looks like Hugging Face GPT-2's Conv1D layout", "attn.c_attn.weight (64, 192)", "load_hf_gpt2"]),
     ("hf_model_dict_to_nanogpt_load",
      lambda b: b.load(GPT2LMHeadModel(hf_config(CFG, n_layer=2)).state_dict()),
-     ["looks like a whole model's (layers h.0..h.1)", "layer=i"]),
+     ["looks like a whole model's (layers h.0..h.1)", "block.load_hf_gpt2(state, layer=i)"]),
+    ("nanogpt_model_dict_to_load", lambda b: b.load(nanogpt_model_state()),   # each loader names the one that takes it
+     ["looks like a whole model's (layers h.0..h.1)", "block.load(tpfuser.model_layer(state, i))"]),
+    ("nanogpt_model_dict_to_hf_load", lambda b: b.load_hf_gpt2(nanogpt_model_state(), layer=1),
+     ["looks like nanoGPT's nn.Linear layout", "block.load(tpfuser.model_layer(state, 1))"]),
+    ("model_layer_out_of_range", lambda b: model_layer(nanogpt_model_state(), 2),
+     ["layer=2: the state_dict has no keys 'transformer.h.2.'", "(it has h.0..h.1)"]),
+    ("model_layer_of_a_block", lambda b: model_layer(nanogpt_state(), 0),
+     ["layer=0", "holds no model layers; one block's state_dict loads as it is: block.load(state)"]),
+    ("model_layer_a_string", lambda b: model_layer(nanogpt_model_state(), "1"),
+     ["layer='1': expected an int >= 0 (the model layer's index), got str"]),
     ("nanogpt_dict_to_hf_load", lambda b: b.load_hf_gpt2(nanogpt_state()),
      ["looks like nanoGPT's nn.Linear layout", "attn.c_attn.weight (192, 64)", "block.load(state)"]),
     ("hf_model_dict_without_layer", lambda b: b.load_hf_gpt2(GPT2LMHeadModel(hf_config(CFG, n_layer=2)).state_dict()),
@@ -263,6 +281,16 @@ def test_loads_taken(block, load):
     """Every check passed: the load reaches the device check of the shards (this CPU block's are not on a GPU)."""
     with pytest.raises(ValueError, match="ln_1.weight: expected a CUDA tensor"):
         load(block)
+
+
+def test_one_layer_of_a_whole_nanogpt_model():
+    state = nanogpt_model_state()
+    layer = model_layer(state, 1)
+    assert sorted(layer) == sorted(make_block(CFG).state_dict())
+    expected = rank_shards(dict(make_block(CFG, seed=1).state_dict()), CFG, Layout(1, 2), 1)
+    for got, want in zip(rank_shards(layer, CFG, Layout(1, 2), 1), expected, strict=True):
+        assert torch.equal(got, want)
+    assert not torch.equal(model_layer(state, 0)["attn.c_attn.weight"], layer["attn.c_attn.weight"])
 
 
 def test_fp8_weights_cast_to_the_blocks_dtype():

@@ -19,6 +19,7 @@ _PUBLIC = {
     "ShardedBlock": "tpfuser.runtime.block", "TPBlock": "tpfuser.runtime.module",
     "GraphedForward": "tpfuser.runtime.graphs", "GraphedTrainStep": "tpfuser.runtime.graphs",
     "from_hf_gpt2": "tpfuser.runtime.weights", "rank_shards": "tpfuser.runtime.weights",
+    "model_layer": "tpfuser.runtime.weights",
     "Block": "tpfuser.verify.reference", "make_block": "tpfuser.verify.reference",
 }
 __all__ = sorted(_PUBLIC)

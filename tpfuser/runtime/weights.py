@@ -86,14 +86,54 @@ def _describe(state: dict, names: list[str]) -> str:
     return ", ".join(f"{n} {tuple(state[n].shape)}" for n in names)
 
 
+def _layers(state: dict) -> list[int]:
+    return sorted({int(m.group(1)) for k in state if isinstance(k, str) and (m := _LAYER_KEY.match(k))})
+
+
+def _layer(state: dict, layer: int) -> tuple[dict, dict]:
+    """Layer i's tensors by the block's names, and each name's key in the model's dict."""
+    block, shown_as = {}, {}
+    for key, t in state.items():
+        m = _LAYER_KEY.match(key)
+        if m and int(m.group(1)) == layer:
+            block[key[m.end():]] = t
+            shown_as[key[m.end():]] = key
+    return block, shown_as
+
+
+def _checked_layer(state: dict, layer, alone: str, none_ok: bool = False) -> tuple[dict, dict]:
+    """_layer, with layer refused unless an index the dict has (alone: what to do with one block's dict)."""
+    if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
+        raise ValueError(f"layer={layer!r}: expected {'None or ' if none_ok else ''}an int >= 0 (the model layer's "
+                         f"index), got "
+                         f"{type(layer).__name__ if not isinstance(layer, int) or isinstance(layer, bool) else layer}")
+    layers = _layers(state)
+    if layer not in layers:
+        raise ValueError(f"layer={layer}: the state_dict has no keys 'transformer.h.{layer}.' or 'h.{layer}.'"
+                         + (f" (it has h.{layers[0]}..h.{layers[-1]})" if layers else
+                            f" (it holds no model layers; {alone})"))
+    return _layer(state, layer)
+
+
+def model_layer(state: dict, layer: int) -> dict:
+    """Layer i of a whole model's state_dict (`transformer.h.{i}.` or `h.{i}.`,
+    nanoGPT's GPT or Hugging Face's GPT2Model / GPT2LMHeadModel), by the block's
+    names; the model's other keys are not the layer's. Layouts are not changed:
+    `block.load(model_layer(nanogpt.state_dict(), i))`."""
+    check_state(state)
+    return _checked_layer(state, layer, "one block's state_dict loads as it is: block.load(state)")[0]
+
+
 def check_nanogpt(state: dict, cfg: BlockConfig) -> None:
     """Refuse a dict in HF's layout (or a model's whole state_dict) with a message
     naming the layout it looks like and the loader that takes it."""
-    layers = sorted({int(m.group(1)) for k in state if (m := _LAYER_KEY.match(k))})
+    layers = _layers(state)
     if layers and not any(n in state for n in PARAM_NAMES):
+        first = _layer(state, layers[0])[0]
+        loader = ("block.load_hf_gpt2(state, layer=i) (Hugging Face's Conv1D layout, as this one's weights are)"
+                  if _transposed(first, cfg) else "block.load(tpfuser.model_layer(state, i))")
         raise ValueError(f"state_dict looks like a whole model's (layers h.{layers[0]}..h.{layers[-1]}), "
-                         f"expected one block's: pick a layer with "
-                         f"tpfuser.runtime.weights.from_hf_gpt2(state, cfg, layer=i)")
+                         f"expected one block's: pick a layer with {loader}")
     flipped = _transposed(state, cfg)
     if flipped:
         raise ValueError(f"state_dict looks like Hugging Face GPT-2's Conv1D layout (weights stored [in, out]): "
@@ -152,27 +192,14 @@ def from_hf_gpt2(state: dict, cfg: BlockConfig, layer: int | None = None,
     check_config(cfg)
     check_state(state)
     check_strict(strict)
-    if layer is not None and (not isinstance(layer, int) or isinstance(layer, bool) or layer < 0):
-        raise ValueError(f"layer={layer!r}: expected None or an int >= 0 (the model layer's index), "
-                         f"got {type(layer).__name__ if not isinstance(layer, int) or isinstance(layer, bool) else layer}")
-    layers = sorted({int(m.group(1)) for k in state if (m := _LAYER_KEY.match(k))})
-    shown_as = {}
     if layer is None:
+        layers = _layers(state)
         if layers:
             raise ValueError(f"state_dict holds layers h.{layers[0]}..h.{layers[-1]} of a model: "
                              f"pass layer=i (0 <= i <= {layers[-1]})")
-        block = dict(state)
+        block, shown_as = dict(state), {}
     else:
-        if layer not in layers:
-            raise ValueError(f"layer={layer}: the state_dict has no keys 'transformer.h.{layer}.' or 'h.{layer}.'"
-                             + (f" (it has h.{layers[0]}..h.{layers[-1]})" if layers else
-                                " (it holds no model layers; for one GPT2Block's state_dict leave layer=None)"))
-        block = {}
-        for key, t in state.items():
-            m = _LAYER_KEY.match(key)
-            if m and int(m.group(1)) == layer:
-                block[key[m.end():]] = t
-                shown_as[key[m.end():]] = key
+        block, shown_as = _checked_layer(state, layer, "for one GPT2Block's state_dict leave layer=None", True)
     check_keys(block, strict, ignored=HF_BUFFERS, shown_as=shown_as)
     shapes = param_shapes(cfg)
     nanogpt_like = [n for n in LINEAR_WEIGHTS if isinstance(block[n], torch.Tensor)
@@ -180,7 +207,8 @@ def from_hf_gpt2(state: dict, cfg: BlockConfig, layer: int | None = None,
     if nanogpt_like:
         raise ValueError(f"state_dict looks like nanoGPT's nn.Linear layout (weights stored [out, in]): "
                          f"{_describe(block, nanogpt_like)}; expected Hugging Face's Conv1D [in, out]. "
-                         f"Load it with block.load(state)")
+                         f"Load it with " + ("block.load(state)" if layer is None
+                                             else f"block.load(tpfuser.model_layer(state, {layer}))"))
     out = {}
     for name in PARAM_NAMES:
         t = block[name]
