@@ -274,3 +274,38 @@ def test_plan_json_on_a_full_disk_is_one_line_and_keeps_the_file(tmp_path):
     assert r.stderr == (f"error: --json={str(out)!r}: could not be written (No space left on device); "
                         f"nothing was written\n")
     assert out.read_text() == "the old plan" and listing(tmp_path) == ["plan.json"]
+
+
+def test_an_output_that_names_an_input_or_another_output_is_refused(tmp_path):
+    """Writing it would destroy what the command reads (a schedule, the calibration) or what it just wrote."""
+    sched = tmp_path / "s.json"
+    sched.write_text("{}")
+    link = tmp_path / "link.json"
+    link.symlink_to(sched)
+    check = outputs.check_distinct
+    assert "the same file as --schedule-file=" in refusal(check, {"--json": str(link)}, {"--schedule-file": str(sched)})
+    assert "the same file as --comm-table=" in refusal(check, {"--json": str(sched)},
+                                                       {"--comm-table": ["other", str(sched)]})
+    new = str(tmp_path / "new.out")   # not there yet: the same path is the same file
+    assert "--png=" in refusal(check, {"--json": new, "--png": os.path.join(str(tmp_path), ".", "new.out")}, {})
+    check({"--json": "-", "--png": new}, {"--schedule-file": None, "--calibration": str(sched)})   # all distinct
+    check({"--json": None}, {"--schedule-file": str(sched)})
+    assert sched.read_text() == "{}"
+
+
+@pytest.mark.parametrize("argv", [["--name", ""], ["--name", "  "], ["--many", "a", "--many", ""]])
+def test_an_empty_option_value_is_refused_not_taken_as_the_default(argv, capsys):
+    p = outputs.ArgParser(prog="t")
+    p.add_argument("--name", default=None)
+    p.add_argument("--many", action="append", default=[])
+    p.add_argument("--json", default=None)   # an output path: check_writable's own refusal
+    with pytest.raises(SystemExit) as end:
+        p.parse_args(argv)
+    assert end.value.code == 2 and "an empty value; give one, or leave the option out" in capsys.readouterr().err
+    assert p.parse_args(["--json", ""]).json == "" and p.parse_args(["--name", "x"]).name == "x"
+
+
+def test_a_stream_or_device_is_not_replaced():
+    for path in ("/dev/stdout", "/dev/fd/1", "/proc/self/fd/1"):
+        assert "a device or stream, not a file to write whole; use - for standard output" in \
+            refusal(check_writable, path, "--json")

@@ -24,13 +24,13 @@ from tpfuser.bench.cli import add_bench_arguments, bench_main
 from tpfuser.config import PRESETS, preset
 from tpfuser.dist.launch import Ended, arm_stack_dumps, check_shared_gpu_fits, relaunch
 from tpfuser.dist.world import check_launch, in_launcher
-from tpfuser.outputs import ArgParser, check_writable, write_json
+from tpfuser.outputs import ArgParser, check_distinct, check_writable, write_json
 from tpfuser.parallel.overlap_model import (BUSBW_GBPS, TFLOPS, check_chunks, check_rates, format_overlap,
                                             overlap_model)
 from tpfuser.parallel.report import format_plan, plan_report
-from tpfuser.parallel.schedule_options import check_schedule, resolve_schedule, schedule_args
+from tpfuser.parallel.schedule_options import check_schedule, resolve_schedule, schedule_args, schedule_files
 from tpfuser.parallel.schedules import known_failure
-from tpfuser.predict.command import add_predict_arguments, check_predict_arguments, predict_command
+from tpfuser.predict.command import add_predict_arguments, check_predict_arguments, predict_command, predict_files
 from tpfuser.verify.dtypes import check_side_by_side, side_by_side_refusal
 from tpfuser.verify.meshes import run_checks
 
@@ -92,6 +92,8 @@ def preflight(args) -> None:
             check_predict_arguments(cfgs[0], layout, schedule, args)
     for option in ("json", "png"):
         check_writable(getattr(args, option, None), f"--{option}")
+    check_distinct({f"--{o}": getattr(args, o, None) for o in ("json", "png")},
+                   {**schedule_files(args), **predict_files(args)})
     check_launch(layout if _RUNS_RANKS[args.command] else None, nvfuser=_IMPORTS_NVFUSER[args.command])
     if _RUNS_RANKS[args.command]:
         refused = known_failure(cfgs[0], layout, schedule)

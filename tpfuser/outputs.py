@@ -16,16 +16,33 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import stat
 import sys
 import tempfile
 
 
 class ArgParser(argparse.ArgumentParser):
-    """argparse with its refusals in one line, as every other refusal (no usage block)."""
+    """argparse with its refusals in one line, as every other refusal (no usage
+    block); an empty value for an option (an unset shell variable, say) is
+    refused, not taken as the option's default (output paths: check_writable)."""
 
     def error(self, message):
         self.exit(2, f"error: {self.prog}: {message} (--help lists the options)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            value = getattr(namespace, action.dest, None) if action.option_strings else None
+            values = value if isinstance(value, list) else [value]
+            if action.dest not in _PATHS_CHECKED and any(isinstance(v, str) and not v.strip() for v in values):
+                given = next(v for v in values if isinstance(v, str) and not v.strip())
+                self.error(f"{action.option_strings[-1]}={given!r}: an empty value; give one, or leave the option "
+                           f"out for its default")
+        return namespace, extras
+
+
+_PATHS_CHECKED = {"json", "png", "out"}   # output paths: check_writable says what is wrong with them
 
 
 def _target(path: str) -> str:
@@ -63,6 +80,9 @@ def check_writable(path, option: str, stdout: bool | None = None) -> None:
     if not path.strip():
         raise ValueError(f"{option}={path!r}: an empty path; give a file name (or - for standard output)"
                          if stdout else f"{option}={path!r}: an empty path; give a file name")
+    if re.match(r"/dev/|/proc/[^/]+/fd/", os.path.abspath(path)):   # /dev/stdout: what it redirects to is renamed over
+        raise ValueError(f"{option}={path!r}: a device or stream, not a file to write whole; "
+                         + ("use - for standard output" if stdout else "give a file name"))
     try:
         if os.path.islink(path) and not os.path.exists(path):
             raise ValueError(f"{option}={path!r}: a symbolic link to {os.readlink(path)!r}, which does not exist "
@@ -94,6 +114,24 @@ def check_writable(path, option: str, stdout: bool | None = None) -> None:
         raise ValueError(f"{option}={path!r}: no file can be written in {folder!r} ({e.strerror})") from None
     if os.path.exists(target) and not os.access(target, os.W_OK):
         raise ValueError(f"{option}={path!r}: exists and is not writable")
+
+
+def check_distinct(outputs: dict, inputs: dict) -> None:
+    """Refuse an output path that names an input file, or another output (each
+    by its option): writing it would destroy what the command reads, or what it
+    wrote a moment before."""
+    def same(a, b):
+        try:
+            return os.path.samefile(a, b) if os.path.exists(a) and os.path.exists(b) else \
+                os.path.realpath(a) == os.path.realpath(b)
+        except OSError:
+            return False
+    named = [(o, p) for o, p in outputs.items() if p not in (None, "-")]
+    for i, (option, path) in enumerate(named):
+        for other, given in [*((k, v) for k, vs in inputs.items() for v in (vs if isinstance(vs, list) else [vs])),
+                             *named[:i]]:
+            if given not in (None, "-") and same(path, given):
+                raise ValueError(f"{option}={path!r}: the same file as {other}={given!r}; give another file name")
 
 
 def _umask() -> int:

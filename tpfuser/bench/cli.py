@@ -17,8 +17,8 @@ from tpfuser.config import PRESETS, preset
 from tpfuser.dist.launch import relaunch
 from tpfuser.dist.sharegpu import SHARED_GPU_MARK
 from tpfuser.dist.world import check_launch, in_launcher, init_rank, rank_groups
-from tpfuser.outputs import check_writable, write_json
-from tpfuser.parallel.schedule_options import check_schedule, resolve_schedule
+from tpfuser.outputs import check_distinct, check_writable, write_json
+from tpfuser.parallel.schedule_options import check_schedule, resolve_schedule, schedule_files
 from tpfuser.parallel.schedules import known_failure
 from tpfuser.verify.meshes import environment
 # None of these imports nvFuser (bench.impls imports the runtime where a block
@@ -72,6 +72,7 @@ def bench_main(args, argv) -> int:
         check_impls(impls or (), layout, args.train, schedule, cfg)
         check_writable(args.json, "--json")
         check_writable(args.png, "--png")
+        check_distinct({"--json": args.json, "--png": args.png}, schedule_files(args))
         if args.startup:
             if not torch.cuda.is_available():   # (its processes would each fail on it, one after another)
                 raise RuntimeError("benchmarking needs a CUDA GPU (--startup's fresh processes each run on it)")

@@ -57,3 +57,11 @@ def check_schedule(args, schedule, cfg, layout) -> None:
 def check_readable(path: str, option: str) -> None:
     if not os.path.isfile(path):
         raise ValueError(f"{option}={path!r}: not a file")
+
+
+def schedule_files(args) -> dict:
+    """The schedule files the options read, by option (an output must not be one of them)."""
+    impls = getattr(args, "impl", None) or ""
+    return {"--schedule-file": getattr(args, "schedule_file", None),
+            "--impl": [i.partition("@")[2] for i in impls.split(",") if os.path.isfile(i.partition("@")[2])]}
+

@@ -67,6 +67,14 @@ def add_predict_arguments(p) -> None:
                    help="also every named schedule's forward and backward at this preset and mesh, the fastest marked")
 
 
+def predict_files(args) -> dict:
+    """The files --predict reads, by option (an output must not be one of them)."""
+    if not getattr(args, "predict", False):
+        return {}
+    tables = [spec.partition("=")[2] if spec.partition("=")[0] in comm.KINDS else spec for spec in args.comm_table or ()]
+    return {"--calibration": args.calibration or default_path(), "--comm-table": tables}
+
+
 def check_predict_arguments(cfg, layout, schedule, args) -> None:
     """What --predict can refuse before any work (the calibration, the tables, the options)."""
     _inputs(cfg, layout, args)
