@@ -268,13 +268,22 @@ def _api_cases():
         ("schedule_options_no_fusion_takes", lambda: load_schedule(
             {"base": "megatron", "fusion_options": {"attn.c_attn.out": {"disable_options": ["infer_contiguity"]}}}),
          "schedule field 'fusion_options.attn.c_attn.out': expected a point a fusion of this schedule begins at"),
+        ("schedule_base_a_list", lambda: load_schedule({"base": ["megatron"]}),
+         "schedule field 'base': expected a named schedule (megatron, "),
+        ("schedule_cuts_null", lambda: load_schedule({"cuts": None}),
+         "schedule field 'cuts': expected a list of strings, got None"),
+        ("schedule_hints_an_int", lambda: load_schedule({"segment_hints": 5}),
+         "schedule field 'segment_hints': expected a list of strings, got 5"),
+        ("schedule_named_as_another", lambda: load_schedule({"base": "megatron-overlap", "name": "megatron"}),
+         "schedule field 'name': expected a name of its own (it is not that named schedule), got 'megatron'"),
     ]
 
 
 API_IDS = ["layout_tp_str", "layout_dp_bool", "layout_sp_int", "config_batch_str", "config_n_head_bool", "config_dropout_str",
            "config_dropout_bool", "config_dtype_torch", "preset_override_str", "preset_unknown_field", "preset_not_str",
            "rank_coords_str", "block_rank_str", "block_rank_bool", "block_rank_beyond", "block_cfg_a_name",
-           "schedule_an_int", "schedule_chunks_true", "schedule_options_no_fusion_takes"]
+           "schedule_an_int", "schedule_chunks_true", "schedule_options_no_fusion_takes", "schedule_base_a_list",
+           "schedule_cuts_null", "schedule_hints_an_int", "schedule_named_as_another"]
 
 
 @pytest.mark.parametrize("case_id", API_IDS)

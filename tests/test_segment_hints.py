@@ -36,3 +36,15 @@ def test_hints_travel_as_data_and_bad_ones_are_refused():
     with pytest.raises(ValueError, match="tried on 1x1 only"):
         hinted.check(preset("tiny"), Layout(1, 2))
     _hinted(experimental=True).check(preset("tiny"), Layout(1, 2))
+
+
+def test_a_schedule_file_by_path_like(tmp_path):
+    """load_schedule takes a pathlib.Path to a JSON file as it takes the str."""
+    import json
+    import pathlib
+    from tpfuser.parallel.schedules import SCHEDULES, load_schedule
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"base": "megatron-sp", "name": "mine"}))
+    got = load_schedule(pathlib.Path(path))
+    assert got.name == "mine" and got.linears == SCHEDULES["megatron-sp"].linears
+    assert load_schedule({"base": "megatron", "name": "megatron"}) == SCHEDULES["megatron"]   # its own name: taken

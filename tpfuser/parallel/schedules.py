@@ -12,8 +12,7 @@ none of it (block/); parallel/schedule.py applies it.
     load_schedule("megatron-sp")                           # a name, a dict or a JSON file's path
     load_schedule({"base": "megatron", "linears": {"mlp.c_proj": {"chunks": 4, "overlap": "fusions"}}})
 
-Every field is checked where the schedule is made: a bad one is refused in
-one line naming it, what was expected and what came.
+Each field is checked where the schedule is made (one line: the field, what was expected, what came).
 """
 
 from __future__ import annotations
@@ -132,7 +131,7 @@ class Schedule:
                     "them are either split over the sequence or not)", {k: v.style for k, v in self.linears.items()})
         for name in ("cuts", "segment_hints", "enable_options", "disable_options"):
             value = getattr(self, name)
-            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
                 _refuse(name, "a list of strings", value)
             object.__setattr__(self, name, tuple(value))
         if not isinstance(self.fusion_options, dict):
@@ -312,7 +311,7 @@ def schedule_from_dict(data: dict) -> Schedule:
     if unknown:
         _refuse(unknown[0], f"one of {', '.join(sorted(_FIELDS | {'base'}))}", data[unknown[0]])
     base_name = data.get("base", "megatron")
-    if base_name not in SCHEDULES:
+    if not isinstance(base_name, str) or base_name not in SCHEDULES:
         _refuse("base", f"a named schedule ({', '.join(SCHEDULES)})", base_name)
     base = SCHEDULES[base_name]
     linears = dict(base.linears)
@@ -330,16 +329,18 @@ def schedule_from_dict(data: dict) -> Schedule:
         linears[linear] = dataclasses.replace(linears[linear], **fields)
     block = {k: v for k, v in data.items() if k not in ("base", "linears")}
     block.setdefault("name", f"{base_name}+custom" if data.keys() - {"base"} else base_name)
-    return dataclasses.replace(base, linears=linears, **block)
+    if (made := dataclasses.replace(base, linears=linears, **block)).name in SCHEDULES and made != SCHEDULES[made.name]:
+        _refuse("name", "a name of its own (it is not that named schedule)", made.name)
+    return made
 
 
 def load_schedule(spec) -> Schedule:
     """A Schedule from a Schedule, a name in SCHEDULES, a dict
-    (schedule_from_dict) or the path of a JSON file holding one."""
+    (schedule_from_dict) or the path of a JSON file holding one (a str or path-like)."""
     if isinstance(spec, Schedule):
         return spec
-    if isinstance(spec, dict):
-        return schedule_from_dict(spec)
+    if isinstance(spec, (dict, os.PathLike)):
+        return schedule_from_dict(spec if isinstance(spec, dict) else read_json(os.fspath(spec), "schedule file"))
     if not isinstance(spec, str):
         raise ValueError(f"schedule={spec!r}: expected a name ({', '.join(SCHEDULES)}), a dict or a JSON file")
     if spec in SCHEDULES:
