@@ -15,7 +15,7 @@ import os
 
 from tpfuser.parallel.schedules import SCHEDULES
 from tpfuser.predict import comm
-from tpfuser.predict.calibration import check_sums, default_path, read_calibration
+from tpfuser.predict.calibration import CalibrationError, check_sums, default_path, read_calibration
 from tpfuser.predict.plot import plot_timeline
 from tpfuser.predict.timeline import COMM_SLOWDOWN_BESIDE_COMPUTE, SLOWDOWN_BESIDE_COMM, predict
 
@@ -76,8 +76,16 @@ def predict_files(args) -> dict:
 
 
 def check_predict_arguments(cfg, layout, schedule, args) -> None:
-    """What --predict can refuse before any work (the calibration, the tables, the options)."""
-    _inputs(cfg, layout, args)
+    """What --predict can refuse before any work (the calibration, the tables,
+    the options, a chunk count the calibration did not time): the prediction
+    itself is made once here, a blink."""
+    cal, net = _inputs(cfg, layout, args)
+    try:
+        _one(cfg, layout, schedule, cal, net, args.preset)
+    except CalibrationError as e:
+        if getattr(args, "chunks", None) is not None and "was timed at chunks" in str(e):
+            raise CalibrationError(f"--chunks={args.chunks}: {e}") from None
+        raise
 
 
 def _inputs(cfg, layout, args):
