@@ -240,7 +240,7 @@ def test_plan_json_is_written(tmp_path):
 
 
 def _api_cases():
-    from tpfuser import BlockConfig, Layout, ShardedBlock, load_schedule, preset
+    from tpfuser import BlockConfig, Layout, ShardedBlock, TPBlock, load_schedule, preset
     tiny = preset("tiny", dtype="fp32")
     return [
         ("layout_tp_str", lambda: Layout(tp="2"), "tp='2': must be a positive int, got a str"),
@@ -271,6 +271,10 @@ def _api_cases():
         ("schedule_options_no_fusion_takes", lambda: load_schedule(
             {"base": "megatron", "fusion_options": {"attn.c_attn.out": {"disable_options": ["infer_contiguity"]}}}),
          "schedule field 'fusion_options.attn.c_attn.out': expected a point a fusion of this schedule begins at"),
+        ("block_check_a_string", lambda: ShardedBlock(tiny, check="yes", device=torch.device("cpu")),
+         "check='yes': expected True or False, got a str"),
+        ("module_graphs_a_string", lambda: TPBlock(tiny, graphs="no", device=torch.device("cpu")),
+         "graphs='no': expected True or False, got a str"),
         ("schedule_base_a_list", lambda: load_schedule({"base": ["megatron"]}),
          "schedule field 'base': expected a named schedule (megatron, "),
         ("schedule_cuts_null", lambda: load_schedule({"cuts": None}),
@@ -285,7 +289,7 @@ def _api_cases():
 API_IDS = ["layout_tp_str", "layout_dp_bool", "layout_sp_int", "config_batch_str", "config_n_head_bool", "config_dropout_str",
            "config_dropout_bool", "config_dtype_torch", "preset_override_str", "preset_unknown_field", "preset_not_str",
            "rank_coords_str", "block_rank_str", "block_rank_bool", "block_rank_beyond", "block_cfg_a_name",
-           "schedule_an_int", "schedule_chunks_true", "schedule_options_no_fusion_takes", "schedule_base_a_list",
+           "schedule_an_int", "schedule_chunks_true", "schedule_options_no_fusion_takes", "schedule_base_a_list", "block_check_a_string", "module_graphs_a_string",
            "schedule_cuts_null", "schedule_hints_an_int", "schedule_named_as_another"]
 
 

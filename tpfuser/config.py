@@ -162,3 +162,10 @@ def check_config(cfg, layout=None) -> None:
                          f"got {type(cfg).__name__}")
     if layout is not None and not isinstance(layout, Layout):
         raise ValueError(f"layout={layout!r}: expected a Layout (Layout(dp, tp, sp)), got {type(layout).__name__}")
+
+
+def check_flags(**flags) -> None:
+    """Refuse a flag that is not a bool ("no" or 1 is not taken for True or False), naming it."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r}: expected True or False, got {article(value)}")

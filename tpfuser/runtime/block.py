@@ -21,7 +21,7 @@ import torch
 from tpfuser.block.dropout import STREAMS, flash_seed, stream_key
 from tpfuser.block.inputs import MASK_STARTS, rng_input_names
 from tpfuser.block.tensors import BY_NAME, MASKS, PARAM_NAMES, memory_order, param_shapes
-from tpfuser.config import BlockConfig, Layout, check_config
+from tpfuser.config import BlockConfig, Layout, check_config, check_flags
 from tpfuser.dist.world import describe_single_process, sum_over_group
 from tpfuser.parallel.placements import PARAM_PLACEMENTS, local_shape, placements
 from tpfuser.parallel.schedule import Pass
@@ -104,13 +104,13 @@ class ShardedBlock:
         describes a world of one to nvFuser first
         (world.describe_single_process): before its first fusion runs."""
         check_config(cfg, layout)
+        check_flags(check=check, check_finite=check_finite)
         if not isinstance(rank, int) or isinstance(rank, bool):
             raise ValueError(f"rank={rank!r}: expected an int in [0, {layout.world_size})")
         self.schedule = default_schedule(layout) if schedule is None else load_schedule(schedule)
         self.schedule.check(cfg, layout)
         layout.check(cfg)
-        refused = known_failure(cfg, layout, self.schedule)
-        if refused:
+        if refused := known_failure(cfg, layout, self.schedule):
             raise ValueError(refused)
         describe_single_process()
         self.cfg, self.layout, self.rank, self.check = cfg, layout, rank, check

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from tpfuser.block.tensors import PARAM_NAMES
-from tpfuser.config import BlockConfig, Layout
+from tpfuser.config import BlockConfig, Layout, check_flags
 from tpfuser.dist.world import gather_output
 from tpfuser.parallel.schedules import Schedule, default_schedule, load_schedule
 from tpfuser.parallel.shard import qkv_blocked
@@ -58,6 +58,7 @@ class TPBlock(torch.nn.Module):
                  device: Optional[torch.device] = None, dp_group=None, graphs: bool = False,
                  schedule: Schedule | str | dict | None = None):
         super().__init__()
+        check_flags(graphs=graphs)
         self.cfg, self.layout, self.rank = cfg, layout, rank
         schedule = default_schedule(layout) if schedule is None else load_schedule(schedule)
         if graphs:
