@@ -33,7 +33,7 @@ def add_bench_arguments(ap) -> None:
     ap.add_argument("--sp", action="store_true", help="sequence parallelism (the default schedule: megatron-sp)")
     ap.add_argument("--impl", default=None, help=f"comma-separated, of {','.join(IMPLS)} (default: what the mesh allows); "
                     "an nvFuser one may run a schedule of its own beside the bench's: nvfuser-graph@megatron-cut-linears")
-    ap.add_argument("--iters", type=int, default=100, help="samples per implementation")
+    ap.add_argument("--iters", type=int, default=None, help=f"samples per implementation (default {ITERS})")
     ap.add_argument("--dropout", type=float, default=None)
     ap.add_argument("--train", action="store_true", help="forward+backward (a training step) instead of forward")
     ap.add_argument("--profile", action="store_true", help="also what each call's time goes to (GPU kernels, idle)")
@@ -54,6 +54,9 @@ def bench_command(argv: list[str]) -> str:
     return "tpfuser " + " ".join(argv[1:])
 
 
+ITERS = 100   # samples per implementation, by default
+
+
 def bench_main(args, argv) -> int:
     """The benchmark of parsed options; argv, bench's own, is what ranks relaunch with."""
     rank, groups = 0, None
@@ -62,7 +65,14 @@ def bench_main(args, argv) -> int:
         # Everything that can be refused, before the benchmark: its results must not be lost to a bad path.
         schedule = resolve_schedule(args)
         layout = schedule.layout(args.dp, args.tp)
-        if args.iters < 1:
+        if args.startup:   # one first call per fresh process: none of these means anything there
+            given = [o for o, v in (("--iters", args.iters is not None), ("--png", args.png),
+                                    ("--profile", args.profile)) if v]
+            if given:
+                raise ValueError(f"{given[0]}: not taken with --startup (one first call per fresh process: no "
+                                 f"samples, no plot, no profile)")
+        iters = ITERS if args.iters is None else args.iters
+        if iters < 1:
             raise ValueError(f"--iters={args.iters}: expected a positive int (samples per implementation)")
         cfg = preset(args.preset, dtype="bf16", **({} if args.dropout is None else {"dropout": args.dropout}))
         layout.check(cfg)
@@ -85,7 +95,7 @@ def bench_main(args, argv) -> int:
                 return relaunch(layout, ["bench", *argv], share_gpu=args.share_gpu, schedule=schedule)
             rank = init_rank(layout)
             groups = rank_groups(layout, rank)
-        rep = bench(args.preset, impls, args.iters, dropout=args.dropout, train=args.train, layout=layout,
+        rep = bench(args.preset, impls, iters, dropout=args.dropout, train=args.train, layout=layout,
                     rank=rank, groups=groups, progress=rank == 0, profile=args.profile, schedule=schedule)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
