@@ -16,14 +16,18 @@ from tpfuser.parallel.placements import DP, TP, Placement, PARAM_PLACEMENTS, axi
 from tpfuser.block.tensors import PARAM_NAMES
 
 
-def local_slice(t: torch.Tensor, placement: Placement, layout: Layout, rank: int) -> torch.Tensor:
-    """This rank's contiguous chunk of a global tensor."""
+def local_slice(t: torch.Tensor, placement: Placement, layout: Layout, rank: int,
+                name: str = "tensor") -> torch.Tensor:
+    """This rank's contiguous chunk of a global tensor (`name`: for a refusal)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor (the global one), got {type(t).__name__}")
     coords = axis_coords(layout, rank)
     sizes = axis_sizes(layout)
     for dim, axis in placement.items():
         n = sizes[axis]
-        if t.shape[dim] % n:
-            raise ValueError(f"cannot split dimension {dim} of size {t.shape[dim]} over {axis}={n}")
+        if t.dim() <= dim or t.shape[dim] % n:
+            raise ValueError(f"{name}: cannot split dimension {dim} of its shape {tuple(t.shape)} over {axis}={n}; "
+                             f"expected the global tensor")
         t = t.chunk(n, dim=dim)[coords[axis]]
     return t.contiguous()
 
@@ -91,4 +95,4 @@ def fusion_params(state: dict[str, torch.Tensor], cfg: BlockConfig) -> dict[str,
 
 def rank_params(fparams: dict[str, torch.Tensor], layout: Layout, rank: int) -> list[torch.Tensor]:
     """This rank's parameter shards, in PARAM_NAMES order."""
-    return [local_slice(fparams[name], PARAM_PLACEMENTS[name], layout, rank) for name in PARAM_NAMES]
+    return [local_slice(fparams[name], PARAM_PLACEMENTS[name], layout, rank, name) for name in PARAM_NAMES]

@@ -211,11 +211,11 @@ class ShardedBlock:
 
     def shard_input(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a global input, on this rank's device."""
-        return local_slice(x, self._placements["x"], self.layout, self.rank).to(self.device, self.cfg.torch_dtype)
+        return local_slice(x, self._placements["x"], self.layout, self.rank, "x").to(self.device, self.cfg.torch_dtype)
 
     def shard_output(self, t: torch.Tensor, name: str = "out") -> torch.Tensor:
         """This rank's slice of a global output (for checking against a reference)."""
-        return local_slice(t, self._placements[name], self.layout, self.rank)
+        return local_slice(t, self._placements[name], self.layout, self.rank, name)
 
     def _validate(self, name: str, t, shape: tuple[int, ...]) -> None:
         if not isinstance(t, torch.Tensor):

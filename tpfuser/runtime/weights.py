@@ -231,6 +231,7 @@ def rank_shards(state: dict[str, torch.Tensor], cfg: BlockConfig, layout: Layout
     none of the block's tensors (check_keys; strict=False ignores them; the
     causal-mask buffers HF_BUFFERS are no weights and always ignored)."""
     check_config(cfg, layout)
+    layout.check(cfg)
     check_state(state)
     check_strict(strict)
     layout.rank_coords(rank)   # a rank of the mesh (an int: "1" is refused)
