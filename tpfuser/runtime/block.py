@@ -147,10 +147,10 @@ class ShardedBlock:
         return self.load(from_hf_gpt2(state, self.cfg, layer, strict), strict=True)
 
     def load_shards(self, shards: list[torch.Tensor]) -> "ShardedBlock":
-        """Take this rank's shards directly (PARAM_NAMES order, fusion's qkv order),
-        checked as load() checks full weights."""
-        if len(shards) != len(PARAM_NAMES):
-            raise ValueError(f"expected {len(PARAM_NAMES)} parameter shards ({', '.join(PARAM_NAMES)}), got {len(shards)}")
+        """This rank's shards as given (PARAM_NAMES order, fusion's qkv order), checked as load() checks weights."""
+        if not isinstance(shards, (list, tuple)) or len(shards) != len(PARAM_NAMES):
+            raise ValueError(f"shards: expected a list of {len(PARAM_NAMES)} tensors ({', '.join(PARAM_NAMES)}), got "
+                             + (f"{len(shards)}" if isinstance(shards, (list, tuple)) else type(shards).__name__))
         for name, t in zip(PARAM_NAMES, shards):
             check_tensor(name, t)
         for name, t in zip(PARAM_NAMES, shards):
