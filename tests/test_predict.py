@@ -181,6 +181,28 @@ def test_calibration_reader_refuses_a_bad_file_naming_the_field(tmp_path):
     assert "'presets.gpt3.tp.8.sp.backward.attention'" in msg
     assert "'format': expected 'tpfuser-calibration/1'" in _bad(tmp_path, lambda d: d.update(format="v0"))
     assert "'presets.gpt3.tp.8.whole.backward_ms'" in _bad(tmp_path, lambda d: at(d)["whole"].pop("backward_ms"))
+    # fields read only later (the header's clock, a chunk key's int()) or not at all (a stray piece)
+    assert "'sm_clock_mhz_after': expected a clock in MHz" in _bad(tmp_path, lambda d: d.update(sm_clock_mhz_after="fast"))
+    msg = _bad(tmp_path, lambda d: at(d)["tp"]["forward"]["mlp.c_fc"].update({"\u00b2": 1.0}))
+    assert "'presets.gpt3.tp.8.tp.forward.mlp.c_fc.\u00b2': expected a chunk count" in msg
+    msg = _bad(tmp_path, lambda d: at(d)["tp"]["forward"].update(frob=1.0))
+    assert "'presets.gpt3.tp.8.tp.forward.frob': expected a piece of the forward" in msg
+    assert "'complete': expected true or false" in _bad(tmp_path, lambda d: d.update(complete="no"))
+
+
+@pytest.mark.parametrize("table, words", [
+    ({"sizes": [1e400, 2], "busbw_gbps": [1, 2]}, "sizes expected a list of whole numbers of bytes, got [inf, 2]"),
+    ({"sizes": "12", "busbw_gbps": [1, 2]}, "sizes expected a list of whole numbers of bytes, got '12'"),
+    ({"sizes": [1.7, 2], "busbw_gbps": [1, 2]}, "sizes expected a list of whole numbers of bytes"),
+    ({"sizes": [1, 2], "busbw_gbps": [True, 2]}, "busbw_gbps expected a list of GB/s, got [True, 2]"),
+    ({"sizes": [1, 2], "busbw_gbps": [1, 2], "ranks": 0}, "ranks expected a whole number >= 2"),
+])
+def test_a_comm_table_json_of_the_wrong_types_is_refused(tmp_path, table, words):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"tables": {"allreduce": table}}).replace("Infinity", "1e400"))
+    with pytest.raises(ValueError) as err:
+        comm.read_comm_table(str(path))
+    assert str(err.value).startswith(f"--comm-table={str(path)!r}: table 'allreduce': ") and words in str(err.value)
 
 
 def _args(*argv):

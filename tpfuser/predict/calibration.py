@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 
 from tpfuser.outputs import read_json
@@ -69,6 +70,11 @@ def _ms(path: str, field: str, value) -> float:
     return float(value)
 
 
+def _count(key: str) -> bool:
+    """A positive integer key in ASCII digits ("²" passes str.isdigit, not int())."""
+    return re.fullmatch(r"[1-9][0-9]*", key) is not None
+
+
 def _dict(path: str, field: str, value) -> dict:
     if not isinstance(value, dict):
         _refuse(path, field, "an object", value)
@@ -77,6 +83,9 @@ def _dict(path: str, field: str, value) -> dict:
 
 def _check_pass(path: str, where: str, data, kind: str) -> None:
     data = _dict(path, where, data)
+    unknown = sorted(set(data) - set(PIECES[kind]))
+    if unknown:
+        _refuse(path, f"{where}.{unknown[0]}", f"a piece of the {kind} ({', '.join(PIECES[kind])})", unknown[0])
     for piece in PIECES[kind]:
         if piece not in data:
             _refuse(path, f"{where}.{piece}", "a piece's time (every piece of the pass)", None)
@@ -85,7 +94,7 @@ def _check_pass(path: str, where: str, data, kind: str) -> None:
             if "1" not in times:
                 _refuse(path, f"{where}.{piece}.1", "the whole GEMM's ms (chunks 1)", None)
             for chunks, ms in times.items():
-                if not chunks.isdigit() or int(chunks) < 1:
+                if not _count(chunks):
                     _refuse(path, f"{where}.{piece}.{chunks}", "a chunk count (a positive integer key)", chunks)
                 _ms(path, f"{where}.{piece}.{chunks}", ms)
         else:
@@ -100,15 +109,20 @@ def validate(data, path: str) -> None:
     for name in ("gpu", "date", "commit"):
         if not isinstance(data.get(name), str) or not data[name]:
             _refuse(path, name, "a non-empty string", data.get(name))
-    if not isinstance(data.get("stand_in", False), bool):
-        _refuse(path, "stand_in", "true or false", data.get("stand_in"))
+    for name in ("stand_in", "complete"):
+        if not isinstance(data.get(name, False), bool):
+            _refuse(path, name, "true or false", data.get(name))
+    for name in ("sm_clock_mhz", "sm_clock_mhz_after", "max_sm_clock_mhz"):   # read by the header, optional
+        value = data.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e5):
+            _refuse(path, name, "a clock in MHz (a positive number) or null", value)
     presets = _dict(path, "presets", data.get("presets"))
     for preset, entry in presets.items():
         entry = _dict(path, f"presets.{preset}", entry)
         _dict(path, f"presets.{preset}.config", entry.get("config"))
         for tp, at in _dict(path, f"presets.{preset}.tp", entry.get("tp")).items():
             where = f"presets.{preset}.tp.{tp}"
-            if not tp.isdigit() or int(tp) < 1:
+            if not _count(tp):
                 _refuse(path, where, "a tp size (a positive integer key)", tp)
             at = _dict(path, where, at)
             for par in ("tp", "sp"):   # sp: absent where the sequence does not split over tp
@@ -124,7 +138,11 @@ def validate(data, path: str) -> None:
                 if kind not in PIECES:
                     _refuse(path, f"{where}.beside_copy.{kind}", "forward or backward", kind)
                 for piece, by_chunks in _dict(path, f"{where}.beside_copy.{kind}", ratios).items():
+                    if piece not in PIECES[kind]:
+                        _refuse(path, f"{where}.beside_copy.{kind}.{piece}", f"a piece of the {kind}", piece)
                     for chunks, ratio in _dict(path, f"{where}.beside_copy.{kind}.{piece}", by_chunks).items():
+                        if not _count(chunks):
+                            _refuse(path, f"{where}.beside_copy.{kind}.{piece}.{chunks}", "a chunk count", chunks)
                         if _ms(path, f"{where}.beside_copy.{kind}.{piece}.{chunks}", ratio) < 0.5:
                             _refuse(path, f"{where}.beside_copy.{kind}.{piece}.{chunks}",
                                     "a slowdown ratio near or above 1", ratio)

@@ -211,6 +211,14 @@ def parse_nccl_tests(text: str, kind: str | None = None, source: str = "nccl-tes
                     f"{source} ({len(rows)} sizes, {ranks or 'unknown, taken as 8'} ranks)")
 
 
+class _BadTable(ValueError):
+    pass
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def read_comm_table(spec: str) -> dict:
     """kind -> BusTable from `[KIND=]FILE`: nccl-tests' text output, or JSON
     {"source": ..., "tables": {kind: {"sizes": [bytes...], "busbw_gbps": [...], "ranks": n}}}."""
@@ -234,8 +242,18 @@ def read_comm_table(spec: str) -> dict:
         source = data.get("source", path)
         out = {}
         for k, t in data["tables"].items():
-            out[k] = BusTable(k, tuple(int(s) for s in t["sizes"]), tuple(float(b) for b in t["busbw_gbps"]),
-                              int(t.get("ranks", 8)), f"{source} ({path})")
+            sizes, bw, ranks = t["sizes"], t["busbw_gbps"], t.get("ranks", 8)
+            for name, values, integer in (("sizes", sizes, True), ("busbw_gbps", bw, False)):
+                if not isinstance(values, list) or not all(_finite(v) and (not integer or v == int(v)) for v in values):
+                    unit = "whole numbers of bytes" if integer else "GB/s"
+                    raise _BadTable(f"table {k!r}: {name} expected a list of {unit}, got {values!r}")
+            if not (_finite(ranks) and ranks == int(ranks) and ranks >= 2):
+                raise _BadTable(f"table {k!r}: ranks expected a whole number >= 2 (the ranks it was measured on), "
+                                 f"got {ranks!r}")
+            out[k] = BusTable(k, tuple(int(v) for v in sizes), tuple(float(b) for b in bw), int(ranks),
+                              f"{source} ({path})")
+    except _BadTable as e:
+        raise ValueError(f"--comm-table={spec!r}: {e}") from None
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as e:
         raise ValueError(f"--comm-table={spec!r}: expected nccl-tests output or JSON "
                          f"{{'tables': {{kind: {{'sizes', 'busbw_gbps'}}}}}}, got {type(e).__name__}: {e}") from None
