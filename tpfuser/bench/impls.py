@@ -80,6 +80,9 @@ def check_impls(impls, layout: Layout, train: bool = False, schedule=None, cfg=N
     take the block (cfg) on it, and chunk its linears only where the bench's
     schedule does (CUDA_DEVICE_MAX_CONNECTIONS=1, set from the bench's, is the
     whole process's, every implementation's: runtime/chunked.py)."""
+    twice = sorted({i for i in impls if list(impls).count(i) > 1})
+    if twice:
+        raise ValueError(f"implementation {twice[0]!r}: named twice in --impl (each is timed once, beside the others)")
     for impl in impls:
         base, own = split_impl(impl)
         if own is not None:

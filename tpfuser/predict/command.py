@@ -101,6 +101,9 @@ def _inputs(cfg, layout, args):
     cal = read_calibration(path)
     cal.check_config(args.preset, {k: getattr(cfg, k) for k in ("batch", "seq", "n_embd", "n_head", "dropout", "dtype")})
     cal.pieces(args.preset, layout.tp, layout.sp)   # refused now (no preset, tp or SP pieces), not after the plan
+    if getattr(args, "bandwidth", None) and args.comm_table:
+        raise ValueError(f"--bandwidth={args.bandwidth:g} and --comm-table: give one (the flat rate replaces every "
+                         f"table)")
     net = comm.flat(args.bandwidth) if getattr(args, "bandwidth", None) else comm.interconnect(args.interconnect)
     for spec in args.comm_table or ():
         net = net.replace(comm.read_comm_table(spec))
