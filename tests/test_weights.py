@@ -338,3 +338,15 @@ def test_fusion_matches_hf_gpt2_block(dtype, no_tf32):
     out = block(block.shard_input(x))["out"].float().cpu()
     assert rel_l2(out, expected) <= bound(dtype, "out")
     assert rel_l2(out - x, expected - x) <= 2 * bound(dtype, "out")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a refusal of a machine without CUDA")
+def test_a_cuda_block_without_cuda_says_so_after_the_checks():
+    """Weights are checked where they are; only the move to the block's GPU needs one, and says so in one line."""
+    block = ShardedBlock(CFG, Layout(1, 1), device=torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="ln_1.bias: expected shape"):
+        block.load(with_(nanogpt_state(), "ln_1.bias", torch.zeros(3)))
+    for call in (lambda: block.load(nanogpt_state()), lambda: block.shard_input(make_input(CFG))):
+        with pytest.raises(RuntimeError, match=r"^(load|shard_input): the block's device is cuda:0, and torch sees no "
+                                               r"CUDA GPU here \(tpfuser.rank_shards cuts"):
+            call()

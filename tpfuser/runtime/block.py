@@ -29,7 +29,7 @@ from tpfuser.parallel.schedules import Schedule, default_schedule, known_failure
 from tpfuser.parallel.shard import local_slice, slice_starts
 from tpfuser.runtime import kernel_cache, shared
 from tpfuser.runtime.chunked import ChunkedLinears
-from tpfuser.runtime.weights import check_finite, check_tensor, from_hf_gpt2, rank_shards
+from tpfuser.runtime.weights import check_finite, check_tensor, from_hf_gpt2, rank_shards, to_device
 
 MASKED = {stream: mask.name for stream, mask in MASKS.items()}   # the tensor each dropout stream masks
 
@@ -134,11 +134,10 @@ class ShardedBlock:
 
     # -- parameters -------------------------------------------------------
     def load(self, state: dict[str, torch.Tensor], strict: bool = True) -> "ShardedBlock":
-        """Take a nanoGPT-style state_dict (global, blocked c_attn); keep this rank's
-        shards, checked and cast by weights.rank_shards (strict=False: keys other
-        than the block's are ignored, not refused), as copies: never the state's own tensors."""
-        return self.load_shards([s.to(self.device, copy=True) for s in rank_shards(state, self.cfg, self.layout,
-                                                                                    self.rank, strict)])
+        """Keep this rank's shards of a nanoGPT-style state_dict (global, blocked c_attn), checked and cast by
+        weights.rank_shards (strict=False: other keys ignored, not refused), as copies, never the state's tensors."""
+        return self.load_shards([to_device(s, self.device, "load") for s in rank_shards(state, self.cfg, self.layout,
+                                                                                         self.rank, strict)])
 
     def load_hf_gpt2(self, state: dict[str, torch.Tensor], layer: Optional[int] = None,
                      strict: bool = True) -> "ShardedBlock":
@@ -211,7 +210,8 @@ class ShardedBlock:
 
     def shard_input(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a global input, on this rank's device."""
-        return local_slice(x, self._placements["x"], self.layout, self.rank, "x").to(self.device, self.cfg.torch_dtype)
+        return to_device(local_slice(x, self._placements["x"], self.layout, self.rank, "x"), self.device, "shard_input",
+                         self.cfg.torch_dtype)
 
     def shard_output(self, t: torch.Tensor, name: str = "out") -> torch.Tensor:
         """This rank's slice of a global output (for checking against a reference)."""

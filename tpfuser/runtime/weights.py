@@ -246,3 +246,13 @@ def rank_shards(state: dict[str, torch.Tensor], cfg: BlockConfig, layout: Layout
         full[name] = state[name].detach().to(cfg.torch_dtype)
         check_finite(f"{name} cast to {cfg.dtype}", full[name])   # e.g. fp64 beyond fp32's range
     return rank_params(fusion_params(full, cfg), layout, rank)
+
+
+def to_device(t: torch.Tensor, device: torch.device, what: str, dtype=None) -> torch.Tensor:
+    """A copy of t on the block's device (and dtype), or one line where that
+    device is a GPU this machine has not (torch's own words name no call)."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"{what}: the block's device is {device}, and torch sees no CUDA GPU here "
+                           f"(tpfuser.rank_shards cuts a rank's shards without one)")
+    return t.to(device, dtype, copy=True)
+
