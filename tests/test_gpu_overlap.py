@@ -4,6 +4,7 @@ two ranks sharing the GPU, the 4-chunk linear without CUDA_DEVICE_MAX_CONNECTION
 (must be right, and a second call bit-equal). runtime/chunked.py says why
 every chunked schedule runs with the variable."""
 import json
+import math
 import os
 
 import pytest
@@ -31,6 +32,9 @@ def test_chunked_allreduce_without_one_connection_is_recorded(tmp_path, record):
     four = rows[4]
     assert rows[1]["ok"], rows[1]                       # one chunk: no streams to race
     assert "rel_err" in four and "second_call_equal" in four, four
+    # it ran to the end: an error measured (a race may leave NaN: recorded, not failed) and a second call compared
+    assert isinstance(four["rel_err"], float) and not math.isinf(four["rel_err"]), four
+    assert isinstance(four["second_call_equal"], bool), four
     record(connections=None, chunks=4, rel_err=four["rel_err"], second_call_equal=four["second_call_equal"],
            mismatch=not four["ok"])
 

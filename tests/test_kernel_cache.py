@@ -77,11 +77,23 @@ def test_a_cache_that_cannot_be_set_up_is_off_saying_why(fresh, monkeypatch, tmp
 
 
 def test_open_database_puts_tmpdir_back_and_says_where_it_failed(monkeypatch, tmp_path):
+    """TMPDIR names the slot only while the small fusion runs: put back (or unset again)
+    when it fails, here made to fail on every machine (a GPU's would run it)."""
     pytest.importorskip("nvfuser_direct")
-    monkeypatch.setenv("TMPDIR", "/somewhere")
-    with pytest.raises((RuntimeError, AssertionError, ValueError)):   # no GPU here: the fusion cannot run
-        kernel_cache.open_database(str(tmp_path))
-    assert os.environ["TMPDIR"] == "/somewhere"
+    seen = []
+
+    def fails(*args, **kwargs):
+        seen.append(os.environ.get("TMPDIR"))
+        raise RuntimeError("the fusion's input, refused")
+    monkeypatch.setattr(kernel_cache.torch, "ones", fails)
+    for before in ("/somewhere", None):
+        if before is None:
+            monkeypatch.delenv("TMPDIR", raising=False)
+        else:
+            monkeypatch.setenv("TMPDIR", before)
+        with pytest.raises(RuntimeError, match="the fusion's input, refused"):
+            kernel_cache.open_database(str(tmp_path))
+        assert os.environ.get("TMPDIR") == before and seen[-1] == str(tmp_path)
 
 
 def test_startup_children_run_cold(monkeypatch):
