@@ -289,6 +289,8 @@ def _api_cases():
             torch.zeros(3, 16, 64)), "x: cannot split dimension 0 of its shape (3, 16, 64) over dp=2"),
         ("load_shards_none", lambda: ShardedBlock(tiny, device=torch.device("cpu")).load_shards(None),
          "shards: expected a list of 12 tensors (ln_1.weight, "),
+        ("shard_input_a_list", lambda: ShardedBlock(tiny, device=torch.device("cpu")).shard_input([[0.0]]),
+         "x: expected a torch.Tensor (the global one), got list"),
         ("rank_shards_heads_tp", lambda: rank_shards({}, tiny, Layout(1, 3), 0), "n_head=8: must be divisible by tp=3"),
         ("schedule_base_a_list", lambda: load_schedule({"base": ["megatron"]}),
          "schedule field 'base': expected a named schedule (megatron, "),
@@ -305,7 +307,7 @@ API_IDS = ["layout_tp_str", "layout_dp_bool", "layout_sp_int", "config_batch_str
            "config_dropout_bool", "config_dtype_torch", "preset_override_str", "preset_unknown_field", "preset_not_str",
            "rank_coords_str", "block_rank_str", "block_rank_bool", "block_rank_beyond", "block_cfg_a_name",
            "schedule_an_int", "schedule_chunks_true", "schedule_options_no_fusion_takes", "schedule_base_a_list", "block_check_a_string", "module_graphs_a_string",
-           "shard_input_a_local_batch", "rank_shards_heads_tp", "load_shards_none",
+           "shard_input_a_local_batch", "shard_input_a_list", "rank_shards_heads_tp", "load_shards_none",
            "schedule_cuts_null", "schedule_hints_an_int", "schedule_named_as_another"]
 
 
