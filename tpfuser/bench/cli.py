@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from tpfuser.bench.impls import IMPLS, check_impls
+from tpfuser.bench.impls import IMPLS, check_impls, schedule_files as impl_schedule_files
 from tpfuser.bench.plot import plot_reports
 from tpfuser.bench.report import format_table, validate_report
 from tpfuser.bench.run import bench
@@ -82,7 +82,8 @@ def bench_main(args, argv) -> int:
         check_impls(impls or (), layout, args.train, schedule, cfg)
         check_writable(args.json, "--json")
         check_writable(args.png, "--png")
-        check_distinct({"--json": args.json, "--png": args.png}, schedule_files(args))
+        check_distinct({"--json": args.json, "--png": args.png},
+                       {**schedule_files(args), "--impl": impl_schedule_files(impls or ())})
         if args.startup:
             if not torch.cuda.is_available():   # (its processes would each fail on it, one after another)
                 raise RuntimeError("benchmarking needs a CUDA GPU (--startup's fresh processes each run on it)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,11 @@ def split_impl(impl: str) -> tuple[str, str | None]:
     file), beside the bench's; (impl, None) without an @."""
     base, at, name = impl.partition("@")
     return base, (name if at else None)
+
+
+def schedule_files(impls) -> list[str]:
+    """The schedule files the implementations name after an @ (names of named schedules left out)."""
+    return [own for own in (split_impl(impl)[1] for impl in impls) if own and os.path.isfile(own)]
 
 
 def nvfuser_schedule(schedule, impl: str, graphed: bool = False):

@@ -60,8 +60,6 @@ def check_readable(path: str, option: str) -> None:
 
 
 def schedule_files(args) -> dict:
-    """The schedule files the options read, by option (an output must not be one of them)."""
-    impls = getattr(args, "impl", None) or ""
-    return {"--schedule-file": getattr(args, "schedule_file", None),
-            "--impl": [i.partition("@")[2] for i in impls.split(",") if os.path.isfile(i.partition("@")[2])]}
+    """The schedule file the options read, by option (an output must not be it)."""
+    return {"--schedule-file": getattr(args, "schedule_file", None)}
 

@@ -219,11 +219,16 @@ def _finite(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def comm_table_spec(spec: str) -> tuple[str, str]:
+    """(kind, path) of `[KIND=]FILE` ("" where no kind is named)."""
+    head, sep, tail = spec.partition("=")
+    return (head, tail) if sep and "/" not in head else ("", spec)
+
+
 def read_comm_table(spec: str) -> dict:
     """kind -> BusTable from `[KIND=]FILE`: nccl-tests' text output, or JSON
     {"source": ..., "tables": {kind: {"sizes": [bytes...], "busbw_gbps": [...], "ranks": n}}}."""
-    head, sep, tail = spec.partition("=")
-    kind, path = (head, tail) if sep and "/" not in head else ("", spec)
+    kind, path = comm_table_spec(spec)
     if kind and kind not in KINDS:
         raise ValueError(f"--comm-table={spec!r}: kind expected one of {', '.join(KINDS)}, got {kind!r}")
     if not os.path.isfile(path):   # (never opened: a named pipe would block)

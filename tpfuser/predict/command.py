@@ -17,7 +17,7 @@ from tpfuser.parallel.schedules import SCHEDULES
 from tpfuser.predict import comm
 from tpfuser.predict.calibration import CalibrationError, check_sums, default_path, read_calibration
 from tpfuser.predict.plot import plot_timeline
-from tpfuser.predict.timeline import COMM_SLOWDOWN_BESIDE_COMPUTE, SLOWDOWN_BESIDE_COMM, predict
+from tpfuser.predict.timeline import COMM, COMM_SLOWDOWN_BESIDE_COMPUTE, SLOWDOWN_BESIDE_COMM, predict
 
 # The goal of issue 32: one gpt3 layer at tp 8, per rank, ms.
 GOALS = {("gpt3", 8): {"forward": 1.9, "backward": 4.0}}
@@ -71,8 +71,8 @@ def predict_files(args) -> dict:
     """The files --predict reads, by option (an output must not be one of them)."""
     if not getattr(args, "predict", False):
         return {}
-    tables = [spec.partition("=")[2] if spec.partition("=")[0] in comm.KINDS else spec for spec in args.comm_table or ()]
-    return {"--calibration": args.calibration or default_path(), "--comm-table": tables}
+    return {"--calibration": args.calibration or default_path(),
+            "--comm-table": [comm.comm_table_spec(spec)[1] for spec in args.comm_table or ()]}
 
 
 def check_predict_arguments(cfg, layout, schedule, args) -> None:
@@ -128,7 +128,7 @@ def in_the_way(summary: dict, goal_ms: float) -> dict | None:
     comm_piece = max(pieces, key=lambda r: r["exposed_ms"])
     compute_piece = max(pieces, key=lambda r: r["compute_ms"] + r["slowdown_ms"])
     busy = summary["compute_ms"] + summary["slowdown_ms"] + (SLOWDOWN_BESIDE_COMM - 1) * summary["exposed_ms"]
-    chunked = sum(e["alone_ms"] for e in summary["events"] if e["lane"] == "comm")   # each chunk alone
+    chunked = sum(e["alone_ms"] for e in summary["events"] if e["lane"] == COMM)   # each chunk alone
     return {"miss_ms": miss, "chunks_alone_ms": chunked, "chunking_cost_ms": chunked - summary["comm_whole_ms"],
             "largest_exposed": [comm_piece["piece"], comm_piece["exposed_ms"]],
             "largest_compute": [compute_piece["piece"], compute_piece["compute_ms"] + compute_piece["slowdown_ms"]],
