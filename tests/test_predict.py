@@ -235,7 +235,7 @@ def test_command_output_on_the_standin_calibration(tmp_path, capsys):
 
 def test_refusals_in_one_line(tmp_path, monkeypatch):
     cfg, schedule = preset("gpt3"), SCHEDULES["megatron"]
-    monkeypatch.setattr("tpfuser.predict.command.default_path", lambda: str(tmp_path / "h200.json"))
+    monkeypatch.setattr("tpfuser.predict.command.default_path", lambda preset=None: str(tmp_path / "h200.json"))
     for call in (predict_command, check_predict_arguments):   # the latter: what plan's preflight can refuse early
         with pytest.raises(ValueError, match=r"committed calibration .*h200.json is missing: make it on the GPU "
                                              r"with tools/calibrate.py"):
@@ -348,3 +348,17 @@ def test_what_chunking_the_collectives_costs(capsys):
     assert way["chunks_alone_ms"] == pytest.approx(2 * n * ar(whole / n))
     out = capsys.readouterr().out
     assert out.count("chunking the collectives costs") == 1 + (over["goal"]["in_the_way"]["backward"] is not None)
+
+
+def test_default_calibration_is_the_first_committed_one_holding_the_preset(tmp_path):
+    def write(name, presets):
+        (tmp_path / name).write_text(json.dumps({"presets": {p: {} for p in presets}}))
+    write("h200.json", ["gpt3"])
+    write("h100.json", ["gpt3", "nanogpt"])
+    where = str(tmp_path)
+    assert calibration.default_path("gpt3", where) == str(tmp_path / "h200.json")      # H200's first
+    assert calibration.default_path("nanogpt", where) == str(tmp_path / "h100.json")   # only H100's holds it
+    assert calibration.default_path("tiny", where) == str(tmp_path / "h200.json")      # none: H200's, refused on reading
+    assert calibration.default_path(None, where) == str(tmp_path / "h200.json")
+    (tmp_path / "h200.json").write_text("{not json")                                   # a broken one is passed over
+    assert calibration.default_path("gpt3", where) == str(tmp_path / "h100.json")

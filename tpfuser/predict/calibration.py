@@ -22,6 +22,7 @@ stream over its time alone, a rough stand-in for NCCL's SMs.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -49,10 +50,25 @@ def is_gemm(piece: str) -> bool:
     return piece.removesuffix(".wgrad").removesuffix(".dgrad") in LINEARS
 
 
-def default_path() -> str:
-    """The committed calibration for the lent GPU kind (H200), in the checkout."""
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                        "results", "calibration", "h200.json")
+# The committed calibrations, in the checkout, in the order a preset is looked up (default_path).
+COMMITTED = ("h200.json", "h100.json")
+
+
+def default_path(preset: str | None = None, folder: str | None = None) -> str:
+    """The first committed calibration (in `folder`, default the checkout's
+    results/calibration) that holds `preset`: H200's, then H100's (nanogpt was
+    timed on the H100 only); H200's where none does, or without a preset."""
+    folder = folder or os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "results", "calibration")
+    for name in COMMITTED if preset is not None else ():
+        path = os.path.join(folder, name)
+        try:
+            with open(path) as f:
+                if preset in (json.load(f).get("presets") or {}):
+                    return path
+        except (OSError, ValueError, AttributeError):   # missing or malformed: refused when it is read, if chosen
+            continue
+    return os.path.join(folder, COMMITTED[0])
 
 
 class CalibrationError(ValueError):

@@ -56,7 +56,8 @@ def add_predict_arguments(p) -> None:
     p.add_argument("--predict", action="store_true",
                    help="also predict one rank's forward and backward on a timeline (compute and communication)")
     p.add_argument("--calibration", default=None, metavar="FILE", action=_AndPredict,
-                   help="the pieces' times (default: the committed one for the H200, results/calibration/h200.json)")
+                   help="the pieces' times (default: the first of results/calibration/h200.json, h100.json "
+                        "that holds the preset)")
     p.add_argument("--interconnect", default="h200-nvlink", choices=sorted(comm.INTERCONNECTS), action=_AndPredict,
                    help="the bus bandwidth tables the collectives are timed from (default h200-nvlink)")
     p.add_argument("--comm-table", default=[], metavar="[KIND=]FILE", action=_AndPredict,
@@ -71,7 +72,7 @@ def predict_files(args) -> dict:
     """The files --predict reads, by option (an output must not be one of them)."""
     if not getattr(args, "predict", False):
         return {}
-    return {"--calibration": args.calibration or default_path(),
+    return {"--calibration": args.calibration or default_path(getattr(args, "preset", None)),
             "--comm-table": [comm.comm_table_spec(spec)[1] for spec in args.comm_table or ()]}
 
 
@@ -94,7 +95,7 @@ def _inputs(cfg, layout, args):
     if getattr(args, "tflops", None) is not None and getattr(args, "overlap", None) is None:
         raise ValueError(f"--tflops={args.tflops}: --predict takes the GEMMs' times from the calibration, not a "
                          f"rate (--tflops is for --overlap)")
-    path = args.calibration or default_path()
+    path = args.calibration or default_path(getattr(args, "preset", None))
     if args.calibration is None and not os.path.isfile(path):
         raise ValueError(f"--predict: the committed calibration {os.path.relpath(path)} is missing: make it on "
                          f"the GPU with tools/calibrate.py (or pass --calibration FILE)")
