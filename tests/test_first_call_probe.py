@@ -41,3 +41,22 @@ def test_the_backward_on_autograds_thread_is_counted():
     assert abs(forward["segmenting_s"] - 0.5) < 1e-9 and forward["kernels"] == 0
     assert abs(backward["segmenting_s"] - 0.3) < 1e-9 and backward["kernels"] == 1
     assert abs(backward["compile_wall_s"] - 0.1998) < 1e-9
+
+
+def test_every_probe_schedule_file_loads_and_fits_its_block():
+    """tools/schedules/*.json, named by the GPU suite's steps: a file that
+    does not load would cost a device call to find out."""
+    import glob
+    import os
+
+    from tpfuser.config import Layout, preset
+    from tpfuser.parallel.schedules import load_schedule
+    files = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "tools", "schedules", "*.json")))
+    assert len(files) >= 12
+    names = set()
+    for path in files:
+        schedule = load_schedule(path)
+        names.add(schedule.name)
+        if not schedule.name.startswith("onehead-"):   # those are for one head per rank, refused on purpose
+            schedule.check(preset("nanogpt"), Layout())
+    assert len(names) == len(files)   # each file its own name: the reports name the schedule, not its file
