@@ -1,7 +1,12 @@
 """tools/probes/first_call_probe.py's trace split: per execute on the calling
 thread, its segmenting and compile wall time (the caller's), and the kernels
 compiled and NVRTC's time on any thread inside its window."""
+import glob
+import os
 import sys
+
+from tpfuser.config import Layout, preset
+from tpfuser.parallel.schedules import load_schedule
 
 sys.path.insert(0, "tools/probes")
 import first_call_probe  # noqa: E402
@@ -46,11 +51,6 @@ def test_the_backward_on_autograds_thread_is_counted():
 def test_every_probe_schedule_file_loads_and_fits_its_block():
     """tools/schedules/*.json, named by the GPU suite's steps: a file that
     does not load would cost a device call to find out."""
-    import glob
-    import os
-
-    from tpfuser.config import Layout, preset
-    from tpfuser.parallel.schedules import load_schedule
     files = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "tools", "schedules", "*.json")))
     assert len(files) >= 12
     names = set()
