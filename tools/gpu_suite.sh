@@ -40,8 +40,8 @@
 #           $OUT/main.json (wall seconds, exit code); MAIN_ARGS: more arguments; bound MAIN_S. Alone on the machine
 #   quick   correctness at the default and the overlapped schedules, side by side: nanogpt 1x1, tiny 1x2 and
 #           2x2 (ranks sharing the GPU), TP and SP, fp32 and bf16, forward and backward, collectives as planned
-#           (QUICK_JOBS picks some: "nano11 tiny12 tiny12sp tiny22 ovl12 ovl12sp"; the same meshes at the
-#           cut-linears schedules: "cut11 cut12 cut12sp cut22"); bound QUICK_S
+#           (QUICK_JOBS picks some: "nano11 tiny12 tiny12sp tiny22 ovl12 ovl12sp"; JOB@SCHEDULE runs one of
+#           the first four at a named schedule, e.g. "tiny12sp@megatron-sp-cut-linears"); bound QUICK_S
 # SUITE_S: no step starts after this many seconds. At most 8 files come back from
 # the device: the summary, and everything else in run.tar.gz.
 set -uo pipefail
@@ -196,24 +196,25 @@ quick_job() {   # name, then check's arguments
 }
 step_quick() {
   echo "== correctness at the default and overlapped schedules (ranks sharing the GPU)"
-  local jobs=${QUICK_JOBS:-nano11 tiny12 tiny12sp tiny22 ovl12 ovl12sp} j
+  local jobs=${QUICK_JOBS:-nano11 tiny12 tiny12sp tiny22 ovl12 ovl12sp} j base tag sched
   for j in $jobs; do
-    case $j in
-      nano11) quick_job $j --preset nanogpt --dtype fp32 bf16 & ;;
-      tiny12) quick_job $j --preset tiny --tp 2 --dtype fp32 bf16 --share-gpu --graphs & ;;
-      tiny12sp) quick_job $j --preset tiny --tp 2 --sp --dtype fp32 bf16 --share-gpu & ;;
-      tiny22) quick_job $j --preset tiny --dp 2 --tp 2 --dtype fp32 bf16 --share-gpu & ;;
-      ovl12) quick_job $j --preset tiny --tp 2 --schedule megatron-overlap --dtype fp32 bf16 --share-gpu --graphs & ;;
-      ovl12sp) quick_job $j --preset tiny --tp 2 --schedule megatron-sp-overlap --dtype fp32 bf16 --share-gpu & ;;
-      cut11) quick_job $j --preset nanogpt --schedule megatron-cut-linears --dtype fp32 bf16 & ;;
-      cut12) quick_job $j --preset tiny --tp 2 --schedule megatron-cut-linears --dtype fp32 bf16 --share-gpu --graphs & ;;
-      cut12sp) quick_job $j --preset tiny --tp 2 --sp --schedule megatron-sp-cut-linears --dtype fp32 bf16 --share-gpu & ;;
-      cut22) quick_job $j --preset tiny --dp 2 --tp 2 --schedule megatron-cut-linears --dtype fp32 bf16 --share-gpu & ;;
+    base=${j%%@*} sched=(); tag=$base
+    if [[ $j == *@* ]]; then sched=(--schedule "${j#*@}"); tag=${base}_${j#*@}; fi
+    case $base in
+      nano11) quick_job $tag --preset nanogpt --dtype fp32 bf16 "${sched[@]}" & ;;
+      tiny12) quick_job $tag --preset tiny --tp 2 --dtype fp32 bf16 --share-gpu --graphs "${sched[@]}" & ;;
+      tiny12sp) quick_job $tag --preset tiny --tp 2 --sp --dtype fp32 bf16 --share-gpu "${sched[@]}" & ;;
+      tiny22) quick_job $tag --preset tiny --dp 2 --tp 2 --dtype fp32 bf16 --share-gpu "${sched[@]}" & ;;
+      ovl12) quick_job $tag --preset tiny --tp 2 --schedule megatron-overlap --dtype fp32 bf16 --share-gpu --graphs & ;;
+      ovl12sp) quick_job $tag --preset tiny --tp 2 --schedule megatron-sp-overlap --dtype fp32 bf16 --share-gpu & ;;
       *) echo "unknown quick job $j" ;;
     esac
   done
   wait
-  for j in $jobs; do echo "-- $j"; grep -h -E "^(check|fp32|bf16|all|SOME)|Error|error:" "$OUT/quick_$j.txt" | cut -c1-260 | head -20; done
+  for j in $jobs; do
+    tag=${j%%@*}; [[ $j == *@* ]] && tag=${tag}_${j#*@}
+    echo "-- $j"; grep -h -E "^(check|fp32|bf16|all|SOME)|Error|error:" "$OUT/quick_$tag.txt" | cut -c1-260 | head -20
+  done
 }
 
 step_repeat() {
