@@ -11,8 +11,11 @@ kernels it compiled, NVRTC's summed and longest time. JSON on stdout.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import sys
 import tempfile
 import time
@@ -54,9 +57,19 @@ def split(text: str) -> list[dict]:
     return rows
 
 
+def top_functions(profiler: cProfile.Profile, count: int = 15) -> list[str]:
+    """The `count` functions with the most cumulative time, a line each."""
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(count)
+    lines = [line.strip() for line in text.getvalue().splitlines()]
+    begin = next((i for i, line in enumerate(lines) if line.startswith("ncalls")), len(lines))
+    return [line for line in lines[begin + 1:] if line][:count]
+
+
 def summary_line(d: dict) -> str:
     """One run's result in a line (the GPU suite's firstcall step and its summary)."""
-    return (f"{d['first_call_s']:.1f} s after construct {d['construct_s']:.1f} + load {d['load_s']:.1f}; "
+    return (f"{d['first_call_s']:.1f} s after construct {d['construct_s']:.1f} + load {d['load_s']:.1f} "
+            f"(import nvfuser_direct {d.get('import_nvfuser_s', float('nan')):.1f}); "
             f"segmenting {d['segmenting_s']:.1f}, compile wall {d['compile_wall_s']:.1f}, {d['kernels']} kernels, "
             f"NVRTC {d['nvrtc_sum_s']:.1f} summed")
 
@@ -87,21 +100,27 @@ def main() -> int:
         return spent
 
     import torch
+    out = {"schedule": args.schedule, "pass": "forward" if args.forward else "train",
+           "NVFUSER_NUM_THREADS": os.environ.get("NVFUSER_NUM_THREADS", "(8)"), "import_torch_s": lap()}
     import nvfuser_direct  # noqa: F401
+    out["import_nvfuser_s"] = lap()
     from tpfuser.config import preset
     from tpfuser.runtime.module import TPBlock
     from tpfuser.verify.reference import make_block, make_input
-    out = {"schedule": args.schedule, "pass": "forward" if args.forward else "train",
-           "NVFUSER_NUM_THREADS": os.environ.get("NVFUSER_NUM_THREADS", "(8)"), "import_s": lap()}
+    out["import_s"] = out["import_torch_s"] + out["import_nvfuser_s"] + lap()
     cfg = preset(args.preset, dtype=args.dtype, dropout=0.1)
     ref = make_block(cfg, dtype=torch.bfloat16, device="cuda", drawn_on="cuda")
     x = make_input(cfg, dtype=torch.bfloat16, device="cuda", drawn_on="cuda")
     grad = torch.randn_like(x)
     out["setup_s"] = lap()
+    profiler = cProfile.Profile()
+    profiler.enable()   # the construction and the load, by function (where the build's seconds go)
     model = TPBlock(cfg, schedule=args.schedule)
     out["construct_s"] = lap()
     model.load_full_state_dict(ref.state_dict())
     out["load_s"] = lap()
+    profiler.disable()
+    out["build_profile"] = top_functions(profiler)
     runner = model.runner
     order = []
     for kind in ("forward",) if args.forward else ("train", "backward"):
