@@ -199,8 +199,9 @@ def test_every_point_a_schedule_offers_options_for_begins_a_fusion():
     """fusion_points (what fusion_options may name) is exactly where the passes'
     fusions begin, for every named schedule: an option it takes is applied."""
     from tpfuser.parallel.schedule import build_backward, build_forward
-    cfg = preset("tiny", dtype="bf16")
     for name, schedule in SCHEDULES.items():
         layout = Layout(1, 1, sp=schedule.sequence_parallel)
-        passes = [build_forward(cfg, layout, train=True, schedule=schedule), build_backward(cfg, layout, schedule=schedule)]
+        passes = [build(preset("tiny", dtype=dtype), layout, schedule=schedule, **train)
+                  for dtype in ("bf16", "fp32")   # (fp32 draws the attention's mask too)
+                  for build, train in ((build_forward, {"train": True}), (build_backward, {}))]
         assert {p.point for ps in passes for p in ps.pieces} == schedule.fusion_points(), name

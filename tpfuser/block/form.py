@@ -27,8 +27,15 @@ MASK_FORMS = ("inline", "fusion")
 # and before and after each column-parallel linear's input-gradient matmul.
 LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 FORWARD_CUTS = ("masks",) + tuple(point for linear in LINEARS for point in (linear, f"{linear}.out"))
+# Where the masks' own fusions begin after the first (one a mask: forward.mask_cuts), where drawn.
+MASK_POINTS = ("masks.resid_mlp", "masks.attn")
 BACKWARD_CUTS = ("grad:mlp.c_fc", "grad:mlp.c_fc.in", "grad:mlp.c_fc.in.out", "grad:attn.c_proj",
                  "grad:attn.c_attn", "grad:attn.c_attn.in", "grad:attn.c_attn.in.out")
+# What a pass can be cut right after that is a partial sum over tp reduced
+# there, by the linear that makes it: the row-parallel linears' outputs and
+# the column-parallel linears' input gradients.
+PARTIAL_SUMS = {"attn.c_proj.out": "attn.c_proj", "mlp.c_proj.out": "mlp.c_proj",
+                "mlp.c_fc.grad_in": "mlp.c_fc", "attn.c_attn.grad_in": "attn.c_attn"}
 
 
 @dataclass(frozen=True)
@@ -40,7 +47,10 @@ class Form:
     and attention's output held as flash attention holds them (tensors.memory_order).
     keys_on_device: the dropout keys are 0-d int64 CUDA tensors, read by the
     kernels at run time (a CUDA graph then draws new masks on each replay),
-    not host scalars."""
+    not host scalars. seq_major: the partial sums (PARTIAL_SUMS) that enter
+    a fusion sequence-major, as nvFuser 0.2.36 returns a reduce-scatter over
+    the sequence (its ReorderShardedAxisPass puts the scattered axis
+    outermost): under sequence parallelism, those of linears not chunked."""
 
     cuts: frozenset[str] = field(default_factory=frozenset)
     masks: str = "inline"
@@ -48,10 +58,11 @@ class Form:
     qkv_split: str = "slice"
     flash_layout: bool = True
     keys_on_device: bool = False
+    seq_major: frozenset[str] = field(default_factory=frozenset)
 
     def __post_init__(self):
-        object.__setattr__(self, "cuts", frozenset(self.cuts))
-        object.__setattr__(self, "hints", frozenset(self.hints))
+        for name in ("cuts", "hints", "seq_major"):
+            object.__setattr__(self, name, frozenset(getattr(self, name)))
         if self.masks not in MASK_FORMS:
             raise ValueError(f"masks={self.masks!r}: expected one of {', '.join(MASK_FORMS)}")
         if self.qkv_split not in QKV_SPLITS:

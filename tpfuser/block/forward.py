@@ -18,7 +18,7 @@ import torch
 from nvfuser_direct import DataType
 
 from tpfuser.block.dropout import hash_positions, keep_threshold
-from tpfuser.block.form import Form
+from tpfuser.block.form import MASK_POINTS, Form
 from tpfuser.block.inputs import MASK_STARTS, drawn_streams, rng_input_names
 from tpfuser.block.ops import (NV_DTYPE, causal_probs, dropout, global_positions, int_ops, gelu_tanh, layer_norm,
                                lay_out, one_hot_3)
@@ -48,6 +48,18 @@ def forward_outputs(cfg: BlockConfig, check: bool = False, train: bool = False) 
 def forward_order(cfg: BlockConfig, check: bool = False, train: bool = False) -> list[str]:
     """The order a forward fusion takes its inputs and returns its outputs in, where it has them."""
     return ["x", *PARAM_NAMES, *rng_input_names(cfg), *forward_outputs(cfg, check, train)]
+
+
+def mask_cuts(cfg: BlockConfig) -> set[str]:
+    """Where the masks' own fusions (Form.masks "fusion") are cut: one fusion
+    per drawn stream, then the block. Two masks in one fusion are two
+    unconnected graphs, which no nvFuser scheduler takes whole: its segmenter
+    then searches the hashes' ~300 expressions (1.6-2.0 s of a first call,
+    run 46) for the two kernels a fusion each gives at once."""
+    streams = drawn_streams(cfg)
+    points = {f"masks.{stream}" for stream in streams[1:]}
+    assert points <= set(MASK_POINTS), points
+    return {"masks"} | points if streams else set()
 
 
 def keep_mask(b: Pieces, cfg: BlockConfig, stream: str):
@@ -104,7 +116,9 @@ def define_forward(b: Pieces, cfg: BlockConfig, form: Form, check: bool = False,
         return out(f"{stream}_keep", keep_mask(b, cfg, stream))
 
     if form.masks == "fusion" and p > 0:
-        for stream in drawn_streams(cfg):
+        for i, stream in enumerate(drawn_streams(cfg)):
+            if i:   # a fusion per mask (mask_cuts): nvFuser schedules only a connected fusion whole
+                b.cut(f"masks.{stream}", {})
             b.output(f"{stream}_keep", keep_mask(b, cfg, stream))
         b.cut("masks", {})
 

@@ -21,7 +21,8 @@ from nvfuser_direct import ParallelType
 
 from tpfuser.block.backward import backward_order, define_backward
 from tpfuser.block.form import BACKWARD_CUTS, FORWARD_CUTS, Form
-from tpfuser.block.forward import define_forward, forward_order, forward_outputs
+from tpfuser.block.form import PARTIAL_SUMS as PARTIAL_SUMS_BY_LINEAR
+from tpfuser.block.forward import define_forward, forward_order, forward_outputs, mask_cuts
 from tpfuser.block.inputs import input_definer
 from tpfuser.block.pieces import Piece, build_pieces
 from tpfuser.config import BlockConfig, Layout
@@ -29,10 +30,7 @@ from tpfuser.parallel.placements import DP, TP, axis_sizes, placements
 from tpfuser.parallel.schedules import default_schedule, load_schedule
 
 MESH_AXIS = {DP: ParallelType.mesh_y, TP: ParallelType.mesh_x}
-# Where a pass can be cut right after a product whose partial sums over tp are
-# reduced there: the row-parallel linears' outputs and the column-parallel
-# linears' input gradients.
-PARTIAL_SUMS = ("attn.c_proj.out", "mlp.c_proj.out", "mlp.c_fc.grad_in", "attn.c_attn.grad_in")
+PARTIAL_SUMS = tuple(PARTIAL_SUMS_BY_LINEAR)   # (form.py's: cut right after, a partial sum reduced there)
 
 
 @dataclass
@@ -86,13 +84,16 @@ def apply_placement(tv, placement: dict[int, str], layout: Layout, split_unit_ax
         tv.axis(dim).parallelize(MESH_AXIS[splits[dim]])
 
 
-def placer(layout: Layout, row: int | None = None, split_unit_axes: bool = False):
+def placer(layout: Layout, row: int | None = None, split_unit_axes: bool = False, seq_major=frozenset()):
     """close(piece) for block/pieces.py: every tensor that enters or leaves the
     fusion, or that it names for placement, on the mesh as placements(layout)
     says (with `row`: that dp rank's tp devices alone, the dp splits left out);
-    scalars stay host values, the dropout keys' 0-d tensors are replicated."""
+    scalars stay host values, the dropout keys' 0-d tensors are replicated.
+    An input named in seq_major (Form.seq_major) whose sequence is split over
+    tp is declared sequence-major, as the reduce-scatter that made it left it."""
     mesh = make_mesh(layout, row)
     where = placements(layout)
+    sizes = axis_sizes(layout)
 
     def close(piece: Piece) -> None:
         named = [*piece.inputs.items(), *piece.outputs.items(), *piece.placed.items()]
@@ -105,8 +106,21 @@ def placer(layout: Layout, row: int | None = None, split_unit_axes: bool = False
             placement = {dim: axis for dim, axis in where[name].items() if row is None or axis != DP}
             reduced = TP if name in PARTIAL_SUMS and name in piece.outputs else None
             apply_placement(tv, placement, layout, split_unit_axes, reduced)
+            seq = [dim for dim, axis in placement.items() if axis == TP]
+            if name in seq_major and name in piece.inputs and seq and (sizes[TP] > 1 or split_unit_axes):
+                allocate_outermost(tv, seq[0])
         validate(piece)
     return close
+
+
+def allocate_outermost(tv, dim: int) -> None:
+    """Declare tv's elements laid out with logical dimension `dim` outermost
+    (its mesh split first), the others in their loop order after it."""
+    target = str(tv.get_logical_domain()[dim])
+    loop = tv.get_loop_domain()
+    first = [i for i, ax in enumerate(loop)
+             if str(ax) == target or (ax.definition() is not None and str(ax.definition().input(0)) == target)]
+    tv.set_allocation_domain([loop[i] for i in first] + [ax for i, ax in enumerate(loop) if i not in first], True)
 
 
 def validate(piece: Piece) -> None:
@@ -155,7 +169,8 @@ def build_pass(cfg: BlockConfig, form: Form, kind: str = "forward", layout: Layo
     if kind == "backward":
         if layout is not None:
             cfg = cfg.replace(batch=cfg.batch // layout.dp)
-        close = placer(layout, row=dp_rank or 0, split_unit_axes=split_unit_axes) if layout else None
+        close = placer(layout, row=dp_rank or 0, split_unit_axes=split_unit_axes, seq_major=form.seq_major) \
+            if layout else None
         pieces, _ = build_pieces(lambda b: define_backward(b, cfg, form, outputs), input_definer(cfg, form),
                                  form.cuts & set(BACKWARD_CUTS), backward_order(cfg), close,
                                  hints=form.hints & set(BACKWARD_CUTS))
@@ -167,8 +182,8 @@ def build_pass(cfg: BlockConfig, form: Form, kind: str = "forward", layout: Layo
     train = kind == "train"
     if kind not in ("forward", "train"):
         raise ValueError(f"kind={kind!r}: expected forward, train or backward")
-    close = placer(layout, split_unit_axes=split_unit_axes) if layout else None
-    cuts = (form.cuts & set(FORWARD_CUTS)) - {"masks"} | ({"masks"} if form.masks == "fusion" and cfg.dropout > 0 else set())
+    close = placer(layout, split_unit_axes=split_unit_axes, seq_major=form.seq_major) if layout else None
+    cuts = (form.cuts & set(FORWARD_CUTS)) - {"masks"} | (mask_cuts(cfg) if form.masks == "fusion" else set())
     pieces, _ = build_pieces(lambda b: define_forward(b, cfg, form, check, train), input_definer(cfg, form),
                              cuts, forward_order(cfg, check, train), close, hints=form.hints & set(FORWARD_CUTS))
     return Pass(kind, cfg, pieces, forward_outputs(cfg, check, train), meshed=layout is not None)

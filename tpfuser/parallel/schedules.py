@@ -21,17 +21,17 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from tpfuser.block.form import BACKWARD_CUTS, FORWARD_CUTS, LINEARS, MASK_FORMS, QKV_SPLITS, Form
+from tpfuser.block.form import BACKWARD_CUTS, FORWARD_CUTS, LINEARS, MASK_FORMS, MASK_POINTS, QKV_SPLITS, Form
+from tpfuser.block.form import PARTIAL_SUMS
 from tpfuser.config import BlockConfig, Layout
 from tpfuser.outputs import read_json
 from tpfuser.parallel.chunking import collective_chunks  # noqa: F401 (re-exported: predict/timeline.py reads it here)
 
 COLUMN, ROW = ("attn.c_attn", "mlp.c_fc"), ("attn.c_proj", "mlp.c_proj")
 STYLES = ("column", "column-sp", "row", "row-sp")
-# How a linear's chunks run: "none" (one chunk), "fusions" (a meshed fusion per
-# chunk, launched by the block on side streams forked and joined with CUDA
-# events: each posts its own collective; CUDA graphs capture it), "streams"
-# (nvFuser's stream axis, lowered to host IR: not capturable in nvFuser 0.2.36).
+# How a linear's chunks run: "none" (one chunk), "fusions" (a meshed fusion per chunk, launched by the
+# block on side streams forked and joined with CUDA events: each posts its own collective; CUDA graphs
+# capture it), "streams" (nvFuser's stream axis, lowered to host IR: not capturable in nvFuser 0.2.36).
 OVERLAPS = ("none", "fusions", "streams")
 COLLECTIVES = ("nccl", "ucc", "cuda")    # nvFuser's communicator backends (CommunicatorBackend)
 
@@ -137,7 +137,7 @@ class Schedule:
         if not isinstance(self.fusion_options, dict):
             _refuse("fusion_options", "an object of {cut point: {enable_options, disable_options}}", self.fusion_options)
         for point, opts in self.fusion_options.items():
-            if point not in ("",) + FORWARD_CUTS + BACKWARD_CUTS:
+            if point not in ("",) + FORWARD_CUTS + BACKWARD_CUTS + MASK_POINTS:
                 _refuse(f"fusion_options.{point}", "a cut point a fusion begins at ('' for a pass's first)", point)
             if not isinstance(opts, dict) or set(opts) - {"enable_options", "disable_options"} or not all(
                     isinstance(v, (list, tuple)) and all(isinstance(o, str) for o in v) for v in opts.values()):
@@ -182,13 +182,14 @@ class Schedule:
 
     def fusion_points(self) -> frozenset[str]:
         """The points a fusion begins at in some pass: "" (a pass's first), every
-        cut, and "masks" where the masks are drawn by a fusion of their own."""
-        return self.fusion_cuts() | {""} | ({"masks"} if self.masks == "fusion" else set())
+        cut, and where the masks are drawn by fusions of their own, "masks" and MASK_POINTS."""
+        return self.fusion_cuts() | {""} | ({"masks", *MASK_POINTS} if self.masks == "fusion" else set())
 
     def form(self) -> Form:
         """How the fusions are written under this schedule (block/form.py)."""
+        seq_major = {n for n, lin in PARTIAL_SUMS.items() if self.sequence_parallel and self.linears[lin].chunks == 1}
         return Form(self.fusion_cuts(), self.masks, frozenset(self.segment_hints), self.qkv_split, self.flash_layout,
-                    self.keys_on_device)
+                    self.keys_on_device, seq_major)
 
     def replace(self, **changes) -> "Schedule":
         return dataclasses.replace(self, **changes)
@@ -281,9 +282,8 @@ ONE_HEAD_REPRODUCER = "tools/repro_one_head.py"
 
 
 def known_failure(cfg: BlockConfig, layout: Layout, schedule: Schedule | None = None) -> str | None:
-    """Why nvFuser 0.2.36 cannot run this block on this mesh, in one line, or
-    None. One head per rank: every form of the q/k/v split fails inside
-    nvFuser (docs/one-head.md); a schedule with experimental=true runs it anyway."""
+    """Why nvFuser 0.2.36 cannot run this block on this mesh (a line), or None. One head per rank: every
+    form of the q/k/v split fails inside nvFuser (docs/one-head.md); experimental=true runs it anyway."""
     if schedule is not None and schedule.experimental:
         return None
     if layout.tp > 1 and cfg.n_head // layout.tp == 1:
