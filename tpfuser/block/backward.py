@@ -20,7 +20,8 @@ from nvfuser_direct import DataType
 from tpfuser.block.form import Form
 from tpfuser.block.forward import saved_names
 from tpfuser.block.ops import (NV_DTYPE, affine, causal_attention_backward, causal_probs, dropout, gelu_tanh,
-                               gelu_tanh_grad, input_grad, layer_norm_backward, normalize, one_hot_3, sum_rows,
+                               gelu_tanh_grad, input_grad, layer_norm_input_grad, layer_norm_param_grads, normalize,
+                               one_hot_3, sum_rows,
                                weight_grad)
 from tpfuser.block.pieces import Pieces
 from tpfuser.block.tensors import PARAM_NAMES
@@ -71,11 +72,20 @@ def ln_linear_backward(b: Pieces, g, linear: str, x, ln: str, cfg: BlockConfig, 
     give(**{f"{linear}.weight": weight_grad(b, g, ln_out, bse[0] * bse[1])})
     (g,) = cut(f"grad:{linear}.in", {upstream: g})
     (g_in,) = cut(f"grad:{linear}.in.out", {f"{linear}.grad_in": input_grad(b, g, b[f"{linear}.weight"])})
-    g_ln = ops.cast(g_in, DataType.Float)
-    b.place(f"g.{ln}.out", g_ln)
-    g_x, weight, bias = layer_norm_backward(b, g_ln, xhat(), b[f"{ln}.rstd"], b[f"{ln}.weight"], bse)
+
+    def g_ln_of(g_in):   # the gradient of the LayerNorm's output, in fp32
+        g_ln = ops.cast(g_in, DataType.Float)
+        b.place(f"g.{ln}.out", g_ln)
+        return g_ln
+    g_ln = g_ln_of(g_in)
+    weight, bias = layer_norm_param_grads(b, g_ln, xhat())
     give(**{f"{ln}.weight": weight, f"{ln}.bias": bias})
-    return g_x
+    # cut (`grad:<ln>`): the parameters' sums over the rows and the input's gradient
+    # (a sum over each row) are each a fusion nvFuser schedules whole
+    (g_in_again,) = cut(f"grad:{ln}", {f"{linear}.grad_in": g_in})
+    if g_in_again is not g_in:
+        g_ln = g_ln_of(g_in_again)
+    return layer_norm_input_grad(b, g_ln, xhat(), b[f"{ln}.rstd"], b[f"{ln}.weight"], bse)
 
 
 def define_backward(b: Pieces, cfg: BlockConfig, form: Form, outputs=None) -> None:

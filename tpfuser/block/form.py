@@ -24,13 +24,14 @@ MASK_FORMS = ("inline", "fusion")
 # The block's linears, in order, and where its passes can be cut into fusions
 # (block/pieces.py): the forward before and after each linear, and after the
 # masks' own fusion; the backward before each sublayer's linears' backward,
-# and before and after each column-parallel linear's input-gradient matmul.
+# before and after each column-parallel linear's input-gradient matmul, and
+# between each LayerNorm's parameter gradients and its input's.
 LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 FORWARD_CUTS = ("masks",) + tuple(point for linear in LINEARS for point in (linear, f"{linear}.out"))
 # Where the masks' own fusions begin after the first (one a mask: forward.mask_cuts), where drawn.
 MASK_POINTS = ("masks.resid_mlp", "masks.attn")
-BACKWARD_CUTS = ("grad:mlp.c_fc", "grad:mlp.c_fc.in", "grad:mlp.c_fc.in.out", "grad:attn.c_proj",
-                 "grad:attn.c_attn", "grad:attn.c_attn.in", "grad:attn.c_attn.in.out")
+BACKWARD_CUTS = ("grad:mlp.c_fc", "grad:mlp.c_fc.in", "grad:mlp.c_fc.in.out", "grad:ln_2", "grad:attn.c_proj",
+                 "grad:attn.c_attn", "grad:attn.c_attn.in", "grad:attn.c_attn.in.out", "grad:ln_1")
 # What a pass can be cut right after that is a partial sum over tp reduced
 # there, by the linear that makes it: the row-parallel linears' outputs and
 # the column-parallel linears' input gradients.

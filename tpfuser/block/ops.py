@@ -152,10 +152,14 @@ def input_grad(fd, g, w):
     return fd.ops.matmul(g, w)
 
 
-def layer_norm_backward(fd, g, xhat, rstd, weight, bse):
-    """g: float [b, s, e], the gradient of the LayerNorm's output; xhat its normalized
-    input. Returns (grad of the input, of the weight, of the bias), float."""
-    grad_weight, grad_bias = sum_rows(fd, fd.ops.mul(g, xhat)), sum_rows(fd, g)
+def layer_norm_param_grads(fd, g, xhat):
+    """g: float [b, s, e], the gradient of a LayerNorm's output; xhat its normalized
+    input. Returns (grad of the weight, of the bias), float."""
+    return sum_rows(fd, fd.ops.mul(g, xhat)), sum_rows(fd, g)
+
+
+def layer_norm_input_grad(fd, g, xhat, rstd, weight, bse):
+    """The gradient of the LayerNorm's input, float [b, s, e] (g, xhat: layer_norm_param_grads')."""
     gxhat = fd.ops.mul(g, fd.ops.broadcast_in_dim(fd.ops.cast(weight, DataType.Float), shape=bse,
                                                    broadcast_dims=[2]))
     e = bse[2]
@@ -163,7 +167,7 @@ def layer_norm_backward(fd, g, xhat, rstd, weight, bse):
     mean_gx = fd.ops.mul(fd.ops.sum(fd.ops.mul(gxhat, xhat), dims=[2], keepdim=False, dtype=DataType.Null), 1.0 / e)
     centered = fd.ops.sub(fd.ops.sub(gxhat, bcast_rows(fd, mean_g, bse)),
                           fd.ops.mul(xhat, bcast_rows(fd, mean_gx, bse)))
-    return fd.ops.mul(centered, bcast_rows(fd, rstd, bse)), grad_weight, grad_bias
+    return fd.ops.mul(centered, bcast_rows(fd, rstd, bse))
 
 
 def causal_attention_backward(fd, gy, q, k, v, probs, keep, dropped, cfg, p):

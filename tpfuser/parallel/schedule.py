@@ -90,12 +90,15 @@ def placer(layout: Layout, row: int | None = None, split_unit_axes: bool = False
     says (with `row`: that dp rank's tp devices alone, the dp splits left out);
     scalars stay host values, the dropout keys' 0-d tensors are replicated.
     An input named in seq_major (Form.seq_major) whose sequence is split over
-    tp is declared sequence-major, as the reduce-scatter that made it left it."""
+    tp is declared sequence-major, as the reduce-scatter that made it left it;
+    the outputs of its fusion are then allocated in their loop order, as every
+    fusion declares its inputs (run 47: nvFuser had laid them out as that input)."""
     mesh = make_mesh(layout, row)
     where = placements(layout)
     sizes = axis_sizes(layout)
 
     def close(piece: Piece) -> None:
+        sequence_major_input = False
         named = [*piece.inputs.items(), *piece.outputs.items(), *piece.placed.items()]
         for name, tv in named:
             if not tv.is_tensor():
@@ -109,6 +112,10 @@ def placer(layout: Layout, row: int | None = None, split_unit_axes: bool = False
             seq = [dim for dim, axis in placement.items() if axis == TP]
             if name in seq_major and name in piece.inputs and seq and (sizes[TP] > 1 or split_unit_axes):
                 allocate_outermost(tv, seq[0])
+                sequence_major_input = True
+        if sequence_major_input:   # nvFuser would lay the outputs out as that input: the next fusions read them in order
+            for tv in piece.outputs.values():
+                tv.set_allocation_domain(tv.get_loop_domain(), True)
         validate(piece)
     return close
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 import argparse
 import os
 
-from tpfuser.parallel.schedules import SCHEDULES, ChunksRefused, load_schedule
+from tpfuser.config import Layout
+from tpfuser.parallel.schedules import SCHEDULES, ChunksRefused, default_schedule, load_schedule
 
 
 def schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", default=None, metavar="NAME",
-                   help=f"a named schedule: {', '.join(SCHEDULES)} (default: megatron, or megatron-sp with --sp)")
+                   help=f"a named schedule: {', '.join(SCHEDULES)} (default: megatron-cut-linears, or megatron-sp-cut-linears with --sp)")
     p.add_argument("--schedule-file", default=None, metavar="FILE", help="a schedule as JSON (README: Schedules)")
     p.add_argument("--chunks", type=int, default=None, metavar="N",
                    help="stream chunks for every linear the schedule chunks (overrides its count; 1 runs them whole)")
@@ -23,14 +24,14 @@ def resolve_schedule(args):
     and --sp and --chunks applied to it; refused in one line where they disagree."""
     if args.schedule and args.schedule_file:
         raise ValueError("--schedule and --schedule-file: give one of them")
-    spec = args.schedule or args.schedule_file or ("megatron-sp" if getattr(args, "sp", False) else "megatron")
+    spec = args.schedule or args.schedule_file or default_schedule(Layout(sp=bool(getattr(args, "sp", False)))).name
     if args.schedule_file:
         check_readable(args.schedule_file, "--schedule-file")
     schedule = load_schedule(spec)
     if getattr(args, "sp", False) and not schedule.sequence_parallel:
         given = f"--schedule-file={args.schedule_file!r}" if args.schedule_file else f"--schedule {schedule.name!r}"
         raise ValueError(f"--sp with {given}, which is not sequence-parallel: "
-                         f"drop --sp or name a sequence-parallel schedule (megatron-sp)")
+                         f"drop --sp or name a sequence-parallel schedule (megatron-sp-cut-linears)")
     if args.chunks is not None:
         if isinstance(args.chunks, bool) or not isinstance(args.chunks, int) or args.chunks < 1:
             raise ValueError(f"--chunks: expected a positive int (stream chunks along the tokens), got {args.chunks!r}")

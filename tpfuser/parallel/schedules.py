@@ -245,8 +245,7 @@ def _megatron(name: str, sp: bool, chunked: dict | None = None, **block) -> Sche
     return Schedule(name, linears, **block)
 
 
-# The sublayers' boundary: the forward cut before the MLP's first linear, the
-# backward between the MLP's and attention's (NOTES.md: the first call's time).
+# The sublayers' boundary: the forward cut before the MLP's first linear, the backward before attention's.
 SUBLAYER_CUTS = ("mlp.c_fc", "grad:attn.c_proj")
 ALL_CUTS = tuple(c for c in FORWARD_CUTS if c != "masks") + BACKWARD_CUTS
 
@@ -294,7 +293,8 @@ def known_failure(cfg: BlockConfig, layout: Layout, schedule: Schedule | None = 
 
 
 def default_schedule(layout: Layout) -> Schedule:
-    return SCHEDULES["megatron-sp" if layout.sp else "megatron"]
+    """Cut at every linear: the fastest first call and replay measured (NOTES.md)."""
+    return SCHEDULES["megatron-sp-cut-linears" if layout.sp else "megatron-cut-linears"]
 
 
 _FIELDS = {f.name for f in dataclasses.fields(Schedule)}

@@ -1,6 +1,6 @@
 """Running the sharded block: one `ShardedBlock` per rank.
 
-    block = ShardedBlock(cfg, Layout(dp, tp), rank)              # schedule: "megatron" (or "megatron-sp")
+    block = ShardedBlock(cfg, Layout(dp, tp), rank)              # schedule: "megatron-cut-linears" (or its -sp)
     block.load(reference_block.state_dict())      # full params; each rank keeps its shards
     out = block(block.shard_input(x))["out"]      # this rank's [b/dp, s, e]
 
@@ -94,7 +94,7 @@ class ShardedBlock:
                  device: Optional[torch.device] = None, dp_group=None, check_finite: bool = False,
                  schedule: Schedule | str | dict | None = None):
         """schedule: parallel/schedules.py's (a name, a dict, a JSON file or a
-        Schedule); default "megatron", or "megatron-sp" for a sequence-parallel
+        Schedule); default "megatron-cut-linears", or its -sp for a sequence-parallel
         layout. check: the forward also returns the dropout keep-masks.
         dp_group: the torch.distributed group of this rank's dp replicas
         (world.dp_group), over which backward sums the parameter gradients;

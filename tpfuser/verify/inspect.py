@@ -20,9 +20,9 @@ def _count(pattern: str, text: str) -> int:
 
 
 def pass_summary(built: Pass, schedule=None) -> str:
-    """A pass in a few lines per fusion: what goes in and out by the block's
-    names, which operations nvFuser hands to ATen (the GEMMs, flash attention)
-    and how many it fuses into kernels of its own between them."""
+    """A pass in a line per fusion: what goes in and out by the block's names,
+    which operations nvFuser hands to ATen (the GEMMs, flash attention) and
+    how many it fuses into kernels of its own between them."""
     head = (f"{built.kind} pass, {built.cfg.dtype}, batch {built.cfg.batch}: {len(built.pieces)} fusion(s)"
             + (f" under schedule {schedule.name}" if schedule is not None else "")
             + ("" if built.meshed else ", without a device mesh"))
@@ -32,14 +32,12 @@ def pass_summary(built: Pass, schedule=None) -> str:
         body = text[text.index("%kernel_math"):] if "%kernel_math" in text else text
         aten = {"linear": _count(r"= linear\(", body), "matmul": _count(r"= matmul\(", body),
                 "flash attention": _count(r"= sdpa", body)}
-        begins = f"from cut point {piece.point!r}" if piece.point else "first"
-        lines.append(f"  fusion {i} ({begins}): {_count(r'(?m)^T[0-9]+_l', body)} tensor expressions")
-        lines.append(f"    in:  {', '.join(piece.inputs)}")
-        lines.append(f"    out: {', '.join(piece.outputs)}")
+        begins = f"from {piece.point!r}" if piece.point else "first"
         run_by_aten = ", ".join(f"{n} {k}" for k, n in aten.items() if n)
-        if run_by_aten:
-            lines.append(f"    run by ATen: {run_by_aten}; nvFuser fuses the rest into kernels around them")
-    lines.append("(`--ir` prints nvFuser's text of each fusion, `--names` labels it with these names)")
+        lines.append(f"  fusion {i} ({begins}): {', '.join(piece.inputs)} -> {', '.join(piece.outputs)}; "
+                     f"{_count(r'(?m)^T[0-9]+_l', body)} fused" + (f"; run by ATen: {run_by_aten};" if run_by_aten else ""))
+    lines.append("(A -> B: its inputs and outputs; fused: the tensor expressions nvFuser fuses into kernels around "
+                 "what ATen runs. `--ir` prints each fusion's text, `--names` labels it with these names)")
     return "\n".join(lines)
 
 
