@@ -132,7 +132,7 @@ CASES = [
     ("bench_png_dash", ["bench", "--preset", "tiny", "--png", "-"], {}, ["--png='-': an image is not written"], False),
     ("plan_chunks_zero", ["plan", "--schedule", "megatron-overlap", "--chunks", "0"], {},
      ["chunks", "expected a positive int", "got 0"], False),
-    ("plan_chunks_no_chunked_linear", ["plan", "--chunks", "4"], {}, ["--chunks=4: schedule 'megatron' chunks no linear"],
+    ("plan_chunks_no_chunked_linear", ["plan", "--chunks", "4"], {}, ["--chunks=4: schedule 'megatron-cut-linears' chunks no linear"],
      False),
     ("plan_chunks_not_dividing", ["plan", "--schedule", "megatron-overlap", "--chunks", "3"], {},
      ["--chunks=3: expected a divisor of the rank's tokens (b/dp x s) = 64"], False),

@@ -174,7 +174,7 @@ def test_show_prints_the_fusion(capsys):
     assert "linear(" in out and "DeviceMesh{{0 1}{2 3}}" in out
     assert main(["show", "--preset", "tiny", "--dp", "2", "--tp", "2"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("forward pass, bf16, batch 4: ") and "run by ATen: 2 linear" in out
+    assert out.startswith("forward pass, bf16, batch 4: 11 fusion(s)") and aten_calls(out) == {"linear": 4, "flash attention": 1}
     assert "linear(" not in out and "%kernel_math" not in out
 
 

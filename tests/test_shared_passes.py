@@ -23,16 +23,16 @@ def test_blocks_defining_the_same_fusions_share_them():
 def test_whatever_changes_a_fusion_or_its_compile_gives_its_own():
     cfg = preset("tiny", dtype="fp32")
     base = ShardedBlock(cfg, Layout(1, 2), device=CPU).pass_of("forward")
-    megatron = SCHEDULES["megatron"]
+    default = SCHEDULES["megatron-cut-linears"]   # the layout's default schedule (what base is built under)
     others = {
         "dtype": ShardedBlock(preset("tiny", dtype="bf16"), Layout(1, 2), device=CPU),
         "check": ShardedBlock(cfg, Layout(1, 2), check=True, device=CPU),
         "mesh": ShardedBlock(cfg, Layout(2, 2), device=CPU),
-        "cuts": ShardedBlock(cfg, Layout(1, 2), device=CPU, schedule="megatron-cut-linears"),
-        "keys": ShardedBlock(cfg, Layout(1, 2), device=CPU, schedule=megatron.replace(keys_on_device=True)),
+        "cuts": ShardedBlock(cfg, Layout(1, 2), device=CPU, schedule="megatron"),
+        "keys": ShardedBlock(cfg, Layout(1, 2), device=CPU, schedule=default.replace(keys_on_device=True)),
         "options": ShardedBlock(cfg, Layout(1, 2), device=CPU,
-                                schedule=megatron.replace(disable_options=("infer_contiguity",))),
-        "one fusion's options": ShardedBlock(cfg, Layout(1, 2), device=CPU, schedule=megatron.replace(
+                                schedule=default.replace(disable_options=("infer_contiguity",))),
+        "one fusion's options": ShardedBlock(cfg, Layout(1, 2), device=CPU, schedule=default.replace(
             fusion_options={"mlp.c_fc": {"disable_options": ["infer_contiguity"]}})),
         "device": ShardedBlock(cfg, Layout(1, 2), device=torch.device("cuda", 1)),
     }

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 QKV_SPLITS = ("slice", "select", "onehot")
 # Where the dropout keep-masks are drawn (dropout.py's hash of the global position):
 #   inline  inside the fusion that applies them;
-#   fusion  by a fusion of their own, first in the pass (pointwise only), read
+#   fusion  by fusions of their own, one a mask, first in the pass (pointwise only), read
 #           by the others: the same bits, and a block fusion with ~100 fewer
 #           integer expressions for nvFuser's segmenter to search.
 MASK_FORMS = ("inline", "fusion")

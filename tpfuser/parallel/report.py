@@ -77,7 +77,7 @@ def format_schedule(schedule: dict) -> list[str]:
         lines.append(f"  {name:<12} {plan['style']:<10}{chunked}")
     cuts = ", ".join(schedule["cuts"]) or "none"
     options = ", ".join([*(f"+{o}" for o in schedule["enable_options"]), *(f"-{o}" for o in schedule["disable_options"])])
-    lines.append(f"  cut into fusions at: {cuts}; dropout masks drawn {'by a fusion of their own' if schedule['masks'] == 'fusion' else 'inline'}; "
+    lines.append(f"  cut into fusions at: {cuts}; dropout masks drawn {'by fusions of their own, one a mask' if schedule['masks'] == 'fusion' else 'inline'}; "
                  f"q/k/v by {schedule['qkv_split']}" + (f"; nvFuser options {options}" if options else ""))
     return lines
 

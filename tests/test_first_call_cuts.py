@@ -1,0 +1,65 @@
+"""The cuts that spare nvFuser's segmenter (issue 29, runs 46-47): each
+dropout mask a fusion of its own, each LayerNorm's backward two fusions, and
+under sequence parallelism the reduce-scattered partial sums that cross a cut
+declared sequence-major (no GPU needed: the fusions' definitions)."""
+
+import pytest
+
+from tpfuser.block.forward import mask_cuts
+from tpfuser.block.form import PARTIAL_SUMS
+from tpfuser.config import Layout, preset
+from tpfuser.parallel import schedule as schedule_module
+from tpfuser.parallel.schedule import build_backward, build_forward
+from tpfuser.parallel.schedules import SCHEDULES, default_schedule
+
+
+@pytest.mark.parametrize("dtype, masks", [("bf16", ["resid_attn_keep", "resid_mlp_keep"]),
+                                          ("fp32", ["resid_attn_keep", "resid_mlp_keep", "attn_keep"])])
+def test_each_mask_is_a_fusion_of_its_own(dtype, masks):
+    """Two masks in one fusion are two unconnected graphs, which nvFuser only
+    segments (1.6-2.0 s of a first call, run 46): one fusion each, first."""
+    cfg = preset("tiny", dtype=dtype)
+    for schedule in ("megatron", "megatron-cut-linears", "megatron-sp-cut-linears"):
+        layout = SCHEDULES[schedule].layout(1, 1)
+        pieces = build_forward(cfg, layout, train=True, schedule=schedule).pieces
+        assert [list(p.outputs) for p in pieces[:len(masks)]] == [[m] for m in masks], schedule
+        assert not any(name.endswith("_keep") for p in pieces[len(masks):] for name in p.outputs)
+    assert mask_cuts(cfg) == {"masks"} | {f"masks.{m.removesuffix('_keep')}" for m in masks[1:]}
+    assert mask_cuts(preset("tiny", dtype=dtype, dropout=0.0)) == set()
+
+
+def test_each_layernorm_backward_is_two_fusions():
+    """Its parameters' gradients (sums over the rows), then its input's gradient
+    (a sum over each row) with the residual's: each a kernel's worth."""
+    pieces = {p.point: p for p in build_backward(preset("tiny"), Layout(), schedule="megatron-cut-linears").pieces}
+    assert list(pieces["grad:mlp.c_fc.in.out"].outputs) == ["grad.ln_2.weight", "grad.ln_2.bias"]
+    assert list(pieces["grad:ln_2"].outputs) == ["g.x1"]
+    assert list(pieces["grad:attn.c_attn.in.out"].outputs) == ["grad.ln_1.weight", "grad.ln_1.bias"]
+    assert list(pieces["grad:ln_1"].outputs) == ["grad_x"]
+    assert "mlp.c_fc.grad_in" in pieces["grad:ln_2"].inputs and "attn.c_attn.grad_in" in pieces["grad:ln_1"].inputs
+
+
+def test_the_default_schedules_cut_at_every_linear():
+    assert default_schedule(Layout(1, 2)).name == "megatron-cut-linears"
+    assert default_schedule(Layout(1, 2, sp=True)).name == "megatron-sp-cut-linears"
+
+
+def test_sequence_major_where_nvfuser_reduce_scatters(monkeypatch):
+    """Under SP a partial sum made by nvFuser's reduce-scatter leaves its fusion
+    sequence-major (run 46: the next one refused its strides); the chunked
+    linears' come from torch, contiguous. The fusion that reads one is told so."""
+    assert SCHEDULES["megatron-sp-cut-linears"].form().seq_major == set(PARTIAL_SUMS)
+    assert SCHEDULES["megatron-sp-overlap"].form().seq_major == set()   # every linear chunked
+    assert SCHEDULES["megatron-cut-linears"].form().seq_major == set()  # no SP: all-reduced, whole
+    called = []
+    real = schedule_module.allocate_outermost
+    monkeypatch.setattr(schedule_module, "allocate_outermost", lambda tv, dim: (called.append(dim), real(tv, dim)))
+    cfg = preset("tiny", dtype="fp32")
+    # attn.c_proj.out and mlp.c_proj.out in the forward; in the backward each column-parallel
+    # linear's input gradient, read by its LayerNorm's two fusions: the sequence, dimension 1.
+    # At tp 1 there is no reduce-scatter (nothing split over a team of one).
+    for layout, want in ((Layout(1, 2, sp=True), 6), (Layout(2, 2, sp=True), 6), (Layout(1, 1, sp=True), 0)):
+        called.clear()
+        build_forward(cfg, layout, train=True, schedule="megatron-sp-cut-linears")
+        build_backward(cfg, layout, schedule="megatron-sp-cut-linears")
+        assert called == [1] * want, layout
