@@ -52,7 +52,7 @@ def _block_args(p: argparse.ArgumentParser, several_dtypes: bool = False, dtype_
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--sp", action="store_true", help="sequence parallelism over the tp axis "
-                   "(the default schedule becomes megatron-sp)")
+                   "(the default schedule becomes megatron-sp-cut-linears)")
     schedule_args(p)
 
 

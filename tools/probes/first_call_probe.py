@@ -79,7 +79,7 @@ def main() -> int:
     ap.add_argument("--line", metavar="JSON", help="print an earlier run's result (its JSON) in a line, and stop")
     ap.add_argument("--preset", default="nanogpt")
     ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--schedule", default="megatron")
+    ap.add_argument("--schedule", default="megatron-cut-linears")
     ap.add_argument("--forward", action="store_true", help="the forward alone, not the training step")
     args = ap.parse_args()
     if args.line:

@@ -30,7 +30,7 @@ def add_bench_arguments(ap) -> None:
     ap.add_argument("--preset", default="nanogpt", choices=sorted(PRESETS), help="(default: nanogpt)")
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--sp", action="store_true", help="sequence parallelism (the default schedule: megatron-sp)")
+    ap.add_argument("--sp", action="store_true", help="sequence parallelism (the default schedule: megatron-sp-cut-linears)")
     ap.add_argument("--impl", default=None, help=f"comma-separated, of {','.join(IMPLS)} (default: what the mesh allows); "
                     "an nvFuser one may run a schedule of its own beside the bench's: nvfuser-graph@megatron-cut-linears")
     ap.add_argument("--iters", type=int, default=None, help=f"samples per implementation (default {ITERS})")
