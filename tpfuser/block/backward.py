@@ -7,7 +7,8 @@ replayed by sdpfa_bwd from its saved philox state), and returns the input's
 gradient and each parameter's. The LayerNorms are recomputed from their
 saved statistics. Cut points (form.BACKWARD_CUTS): before each sublayer's linears'
 backward, where the residual stream's gradient (or the linear's upstream
-gradient) crosses.
+gradient) crosses, around each column-parallel linear's input gradient, and
+between a LayerNorm's parameter gradients and its input's.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from tpfuser.block.form import Form
 from tpfuser.block.forward import saved_names
 from tpfuser.block.ops import (NV_DTYPE, affine, causal_attention_backward, causal_probs, dropout, gelu_tanh,
                                gelu_tanh_grad, input_grad, layer_norm_input_grad, layer_norm_param_grads, normalize,
-                               one_hot_3, sum_rows,
-                               weight_grad)
+                               one_hot_3, sum_rows, weight_grad)
 from tpfuser.block.pieces import Pieces
 from tpfuser.block.tensors import PARAM_NAMES
 from tpfuser.config import BlockConfig
