@@ -178,7 +178,7 @@ step_startup() {
   local s
   T ${STARTUP_S:-200} -- python3 -m tpfuser.bench --preset nanogpt --startup --json "$OUT/startup_nanogpt.json" 2>&1 | tail -8
   T ${STARTUP_S:-200} -- python3 -m tpfuser.bench --preset nanogpt --startup --train --json "$OUT/startup_nanogpt_train.json" 2>&1 | tail -8
-  for s in ${STARTUP_SCHEDULES:-megatron-whole megatron-cut-linears tools/schedules/masks-only.json}; do
+  for s in ${STARTUP_SCHEDULES:-megatron-whole megatron tools/schedules/masks-only.json}; do
     local opt=--schedule; [[ -f $s ]] && opt=--schedule-file
     local tag=$(basename "$s" .json)
     T ${STARTUP_S:-200} -- python3 -m tpfuser.bench --preset nanogpt --startup --impl nvfuser $opt "$s" \
