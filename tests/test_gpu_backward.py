@@ -15,8 +15,9 @@ MESHES = [pytest.param(False, id="single"), pytest.param(True, id="mesh")]   # -
 
 def on(mesh: bool):
     """The default schedule with or without the device mesh (was the blocks' mesh=...)."""
-    from tpfuser.parallel.schedules import SCHEDULES
-    return SCHEDULES["megatron"].replace(mesh=mesh)
+    from tpfuser.config import Layout
+    from tpfuser.parallel.schedules import default_schedule
+    return default_schedule(Layout()).replace(mesh=mesh)
 
 
 from tpfuser.verify.check import bound, check_backward  # noqa: E402

@@ -7,10 +7,11 @@ import torch
 pytestmark = pytest.mark.gpu
 
 from tpfuser.config import preset  # noqa: E402
-from tpfuser.parallel.schedules import SCHEDULES  # noqa: E402
+from tpfuser.config import Layout  # noqa: E402
+from tpfuser.parallel.schedules import default_schedule  # noqa: E402
 from tpfuser.verify.reference import make_block, make_input  # noqa: E402
 
-DEVICE_KEYS = SCHEDULES["megatron"].replace(keys_on_device=True)   # was ShardedBlock(keys_on_device=True)
+DEVICE_KEYS = default_schedule(Layout()).replace(keys_on_device=True)   # was ShardedBlock(keys_on_device=True)
 
 
 @pytest.fixture(autouse=True)

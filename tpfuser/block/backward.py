@@ -13,8 +13,6 @@ between a LayerNorm's parameter gradients and its input's.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from nvfuser_direct import DataType
 

@@ -12,8 +12,6 @@ so that splitting them over tp gives each rank whole heads of q, k and v.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from nvfuser_direct import DataType
 
