@@ -194,12 +194,15 @@ quick_job() {   # name, then check's arguments
   local name=$1; shift
   T ${QUICK_S:-300} -- python3 -m tpfuser.cli check --collectives --json "$OUT/quick_$name.json" "$@" > "$OUT/quick_$name.txt" 2>&1
 }
+quick_tag() {   # a quick job's file tag: JOB, or JOB_SCHEDULE for JOB@SCHEDULE
+  local j=$1; [[ $j == *@* ]] && echo "${j%%@*}_${j#*@}" || echo "$j"
+}
 step_quick() {
   echo "== correctness at the default and overlapped schedules (ranks sharing the GPU)"
   local jobs=${QUICK_JOBS:-nano11 tiny12 tiny12sp tiny22 ovl12 ovl12sp} j base tag sched
   for j in $jobs; do
-    base=${j%%@*} sched=(); tag=$base
-    if [[ $j == *@* ]]; then sched=(--schedule "${j#*@}"); tag=${base}_${j#*@}; fi
+    base=${j%%@*} sched=(); tag=$(quick_tag "$j")
+    [[ $j == *@* ]] && sched=(--schedule "${j#*@}")
     case $base in
       nano11) quick_job $tag --preset nanogpt --dtype fp32 bf16 "${sched[@]}" & ;;
       tiny12) quick_job $tag --preset tiny --tp 2 --dtype fp32 bf16 --share-gpu --graphs "${sched[@]}" & ;;
@@ -213,8 +216,7 @@ step_quick() {
   done
   wait
   for j in $jobs; do
-    tag=${j%%@*}; [[ $j == *@* ]] && tag=${tag}_${j#*@}
-    echo "-- $j"; grep -h -E "^(check|fp32|bf16|all|SOME)|Error|error:" "$OUT/quick_$tag.txt" | cut -c1-260 | head -20
+    echo "-- $j"; grep -h -E "^(check|fp32|bf16|all|SOME)|Error|error:" "$OUT/quick_$(quick_tag "$j").txt" | cut -c1-260 | head -20
   done
 }
 

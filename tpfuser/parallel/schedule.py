@@ -20,8 +20,7 @@ import nvfuser_direct as nvf
 from nvfuser_direct import ParallelType
 
 from tpfuser.block.backward import backward_order, define_backward
-from tpfuser.block.form import BACKWARD_CUTS, FORWARD_CUTS, Form
-from tpfuser.block.form import PARTIAL_SUMS as PARTIAL_SUMS_BY_LINEAR
+from tpfuser.block.form import BACKWARD_CUTS, FORWARD_CUTS, PARTIAL_SUMS, Form
 from tpfuser.block.forward import define_forward, forward_order, forward_outputs, mask_cuts
 from tpfuser.block.inputs import input_definer
 from tpfuser.block.pieces import Piece, build_pieces
@@ -30,7 +29,6 @@ from tpfuser.parallel.placements import DP, TP, axis_sizes, placements
 from tpfuser.parallel.schedules import default_schedule, load_schedule
 
 MESH_AXIS = {DP: ParallelType.mesh_y, TP: ParallelType.mesh_x}
-PARTIAL_SUMS = tuple(PARTIAL_SUMS_BY_LINEAR)   # (form.py's: cut right after, a partial sum reduced there)
 
 
 @dataclass
@@ -67,21 +65,25 @@ def make_mesh(layout: Layout, row: int | None = None):
 
 
 def apply_placement(tv, placement: dict[int, str], layout: Layout, split_unit_axes: bool = False,
-                    reduction_over: str | None = None) -> None:
+                    reduction_over: str | None = None) -> dict[int, str]:
     """Split tv's dimensions over the mesh axes `placement` names (outer
     splits, device-parallel); reduction_over: also its reduction axis (the
     last of a linear's output) over that mesh axis. A mesh axis of one device
     is left unsplit unless split_unit_axes: the tensor is the same, but nvFuser
-    0.2.36 then posts collectives over a team of one (NOTES-history.md)."""
+    0.2.36 then posts collectives over a team of one (NOTES-history.md).
+    Returns the splits made: {dimension: mesh axis}."""
     sizes = axis_sizes(layout)
     splits = dict(placement)
     if reduction_over is not None:
         splits[len(tv.get_logical_domain()) - 1] = reduction_over
+    made = {}
     for dim in sorted(splits, reverse=True):   # the highest first, so that lower indices stay valid
         if sizes[splits[dim]] == 1 and not split_unit_axes:
             continue
         tv.outer_split(dim, sizes[splits[dim]])
         tv.axis(dim).parallelize(MESH_AXIS[splits[dim]])
+        made[dim] = splits[dim]
+    return made
 
 
 def placer(layout: Layout, row: int | None = None, split_unit_axes: bool = False, seq_major=frozenset()):
@@ -95,7 +97,6 @@ def placer(layout: Layout, row: int | None = None, split_unit_axes: bool = False
     fusion declares its inputs (run 47: nvFuser had laid them out as that input)."""
     mesh = make_mesh(layout, row)
     where = placements(layout)
-    sizes = axis_sizes(layout)
 
     def close(piece: Piece) -> None:
         sequence_major_input = False
@@ -108,10 +109,9 @@ def placer(layout: Layout, row: int | None = None, split_unit_axes: bool = False
                 continue
             placement = {dim: axis for dim, axis in where[name].items() if row is None or axis != DP}
             reduced = TP if name in PARTIAL_SUMS and name in piece.outputs else None
-            apply_placement(tv, placement, layout, split_unit_axes, reduced)
-            seq = [dim for dim, axis in placement.items() if axis == TP]
-            if name in seq_major and name in piece.inputs and seq and (sizes[TP] > 1 or split_unit_axes):
-                allocate_outermost(tv, seq[0])
+            split = apply_placement(tv, placement, layout, split_unit_axes, reduced)
+            if name in seq_major and name in piece.inputs and TP in split.values():
+                allocate_outermost(tv, next(dim for dim, axis in split.items() if axis == TP))
                 sequence_major_input = True
         if sequence_major_input:   # nvFuser would lay the outputs out as that input: the next fusions read them in order
             for tv in piece.outputs.values():
