@@ -63,3 +63,34 @@ def test_sequence_major_where_nvfuser_reduce_scatters(monkeypatch):
         build_forward(cfg, layout, train=True, schedule="megatron-sp-cut-linears")
         build_backward(cfg, layout, schedule="megatron-sp-cut-linears")
         assert called == [1] * want, layout
+
+
+def test_fusions_defined_alike_compile_once():
+    """The two residual masks (their stream's key and starts are inputs) are one
+    fusion run twice; a fusion that carries a layout of the schedule's, or
+    that runs under other options, has no twin."""
+    import torch
+
+    from tpfuser.runtime import shared
+    cfg, device = preset("tiny", dtype="bf16"), torch.device("cuda", 0)
+    for layout in (Layout(), Layout(2, 2), Layout(1, 2, sp=True)):
+        shared.forget_fusions()
+        run = shared.shared_pass(cfg, "train", layout, False, 0, default_schedule(layout), device)
+        twins = {p.point: p.twin.point for p in run.pieces if p.twin is not None}
+        assert twins == {"masks.resid_mlp": ""}, layout
+        assert not any(p.twin for p in shared.shared_pass(cfg, "backward", layout, False, 0,
+                                                          default_schedule(layout), device).pieces)
+    run = build_forward(cfg, Layout(), train=True)
+    first, second = run.pieces[0], run.pieces[1]
+    assert schedule_module.share_twins(run, default_schedule(Layout()).form(), lambda point: {}) == 1
+    assert second.twin is first and first.twin is None
+    calls = []
+    first.fd.execute = lambda inputs, **options: calls.append((inputs, options)) or ["mask"]
+    assert second.execute([7, 0], _enable_options=["x"]) == ["mask"] and calls == [([7, 0], {"_enable_options": ["x"]})]
+    run = build_forward(cfg, Layout(), train=True)
+    assert schedule_module.share_twins(run, default_schedule(Layout()).form(),
+                                       lambda point: {"_enable_options": [point]}) == 0
+    run = build_forward(cfg, Layout(), train=True)
+    run.pieces[1].laid_out = True
+    assert schedule_module.share_twins(run, default_schedule(Layout()).form(), lambda point: {}) == 0
+    shared.forget_fusions()

@@ -126,7 +126,7 @@ def test_module_modes_route_to_their_fusions(monkeypatch, schedule):
     for kind in ("forward", "train", "backward"):
         for dropout in (True, False):
             for piece in runner.pass_of(kind, dropout).pieces:
-                monkeypatch.setattr(piece.fd, "execute", fake(piece, (kind, dropout)))
+                monkeypatch.setattr(piece, "execute", fake(piece, (kind, dropout)))
     for mode in ("eval", "train", "eval"):
         getattr(model, mode)()
         model(x).sum().backward()
@@ -323,7 +323,7 @@ def test_enable_reaches_every_fusion_call_and_nothing_is_passed_by_default(monke
                 def execute(inputs, _disable_options=None, outs=outs, **options):
                     seen.append(options)
                     return outs
-                monkeypatch.setattr(piece.fd, "execute", execute)   # (undone after: the passes are shared)
+                monkeypatch.setattr(piece, "execute", execute)   # (undone after: the passes are shared)
                 fusions += 1
         x = torch.zeros(cfg.batch, cfg.seq, cfg.n_embd)
         block(x)

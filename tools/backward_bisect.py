@@ -44,7 +44,7 @@ def run_backward(cfg, layout, outputs, inputs: dict) -> None:
     built = build_backward(cfg, layout, outputs=outputs, schedule=SCHEDULE)
     env = dict(inputs)
     for piece in built.pieces:
-        env.update(zip(piece.outputs, piece.fd.execute([env[name] for name in piece.inputs], **built.options)))
+        env.update(zip(piece.outputs, piece.execute([env[name] for name in piece.inputs], **built.options)))
 
 
 def main(budget_s: float, dtypes: str, each: bool) -> None:

@@ -42,6 +42,12 @@ class Piece:
     placed: dict = field(default_factory=dict)
     derived: dict = field(default_factory=dict, repr=False)   # Pieces.derived's values
     kept: dict = field(default_factory=dict, repr=False)      # Pieces.keep's values
+    laid_out: bool = False         # the schedule declared a memory layout of its own on one of its tensors
+    twin: "Piece | None" = field(default=None, repr=False)    # an earlier fusion defined the same (share_twins)
+
+    def execute(self, inputs: list, **options) -> list:
+        """Run the fusion on `inputs` (in its order): its twin's compiled kernels where it has one."""
+        return (self.twin or self).fd.execute(inputs, **options)
 
 
 _TABLE_ORDER = {t.name: i for i, t in enumerate(TENSORS)}

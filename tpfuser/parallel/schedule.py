@@ -13,6 +13,8 @@ not summed). `validate` refuses any linear output left split without it.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +26,7 @@ from tpfuser.block.form import BACKWARD_CUTS, FORWARD_CUTS, PARTIAL_SUMS, Form
 from tpfuser.block.forward import define_forward, forward_order, forward_outputs, mask_cuts
 from tpfuser.block.inputs import input_definer
 from tpfuser.block.pieces import Piece, build_pieces
+from tpfuser.block.tensors import BY_NAME, memory_order
 from tpfuser.config import BlockConfig, Layout
 from tpfuser.parallel.placements import DP, TP, axis_sizes, placements
 from tpfuser.parallel.schedules import default_schedule, load_schedule
@@ -112,7 +115,7 @@ def placer(layout: Layout, row: int | None = None, split_unit_axes: bool = False
             split = apply_placement(tv, placement, layout, split_unit_axes, reduced)
             if name in seq_major and name in piece.inputs and TP in split.values():
                 allocate_outermost(tv, next(dim for dim, axis in split.items() if axis == TP))
-                sequence_major_input = True
+                sequence_major_input = piece.laid_out = True
         if sequence_major_input:   # nvFuser would lay the outputs out as that input: the next fusions read them in order
             for tv in piece.outputs.values():
                 tv.set_allocation_domain(tv.get_loop_domain(), True)
@@ -194,6 +197,27 @@ def build_pass(cfg: BlockConfig, form: Form, kind: str = "forward", layout: Layo
     pieces, _ = build_pieces(lambda b: define_forward(b, cfg, form, check, train), input_definer(cfg, form),
                              cuts, forward_order(cfg, check, train), close, hints=form.hints & set(FORWARD_CUTS))
     return Pass(kind, cfg, pieces, forward_outputs(cfg, check, train), meshed=layout is not None)
+
+
+def share_twins(run: Pass, form: Form, options_of: Callable[[str], dict]) -> int:
+    """Have each fusion of the pass that is defined exactly as an earlier one
+    run on that one's compiled kernels (Piece.twin), so that nvFuser segments
+    and compiles it once: the same printed math (operations, shapes, dtypes,
+    mesh splits), every input declared in the same memory order, no layout of
+    the schedule's own in either (placer), and the same execute options
+    (options_of(cut point)). E.g. the two residual dropout masks, whose
+    streams and starts are inputs. How many fusions found a twin."""
+    first: dict[tuple, Piece] = {}
+    for piece in run.pieces:
+        if piece.laid_out:
+            continue
+        orders = tuple(memory_order(BY_NAME[name], run.cfg) if form.flash_layout and name in BY_NAME else None
+                       for name in piece.inputs)
+        options = json.dumps(options_of(piece.point), sort_keys=True)
+        piece.twin = first.setdefault((piece.fd.fusion.print_math(), orders, options), piece)
+        if piece.twin is piece:
+            piece.twin = None
+    return sum(piece.twin is not None for piece in run.pieces)
 
 
 def loop_sharding(tv) -> tuple[str, list[tuple[str, int]]]:

@@ -1,7 +1,8 @@
 """Every pass built in this process, by what defines it: blocks that would
 define the same fusions (the bench's implementations, a test's blocks, a
 module rebuilt) share them, and nvFuser compiles them once (its cache is a
-fusion's own). forget_fusions() empties it."""
+fusion's own); within a pass, so do fusions defined alike (share_twins).
+forget_fusions() empties it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 import torch
 
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.parallel.schedule import Pass, build_pass
+from tpfuser.parallel.schedule import Pass, build_pass, share_twins
 from tpfuser.parallel.schedules import Schedule
 
 _PASSES: dict[tuple, Pass] = {}
@@ -27,8 +28,10 @@ def shared_pass(cfg: BlockConfig, kind: str, layout: Layout | None, check: bool,
     dp_rank = dp_rank if kind == "backward" else 0   # (a forward is the whole mesh's: build_pass reads no dp rank)
     key = (cfg, form, kind, layout, check, dp_rank, schedule.split_unit_axes, str(device), options)
     if key not in _PASSES:
-        _PASSES[key] = build_pass(cfg, form, kind, layout, check=check, dp_rank=dp_rank,
-                                  split_unit_axes=schedule.split_unit_axes)
+        built = build_pass(cfg, form, kind, layout, check=check, dp_rank=dp_rank,
+                           split_unit_axes=schedule.split_unit_axes)
+        share_twins(built, form, schedule.options)
+        _PASSES[key] = built
     return _PASSES[key]
 
 
