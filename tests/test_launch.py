@@ -41,7 +41,8 @@ def test_torchrun_command():
                                        "NVFUSER_MASTER_PORT": "1234"})
     assert cmd == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8",
                    "-m", "tpfuser.cli", "check", "--dp", "2", "--tp", "4"]
-    assert env == {"PATH": "/bin"}
+    port = int(env.pop("NVFUSER_MASTER_PORT"))   # a free one, never the caller's (a concurrent run's, perhaps)
+    assert env == {"PATH": "/bin"} and port != 1234 and 0 < port < 65536
 
 
 def test_torchrun_command_sharing_gpus_runs_each_rank_through_sharegpu():
@@ -49,7 +50,7 @@ def test_torchrun_command_sharing_gpus_runs_each_rank_through_sharegpu():
                                       {"PATH": "/bin", "NVFUSER_MASTER_PORT": "1234"}, shared_gpus=1)
     assert cmd[-6:] == ["-m", "tpfuser.dist.sharegpu", "check", "--tp", "8", "--share-gpu"]
     assert "--nproc-per-node=8" in cmd
-    assert env == {"PATH": "/bin", "TPFUSER_SHARED_GPUS": "1"}
+    assert int(env.pop("NVFUSER_MASTER_PORT")) != 1234 and env == {"PATH": "/bin", "TPFUSER_SHARED_GPUS": "1"}
 
 
 @pytest.mark.parametrize("rank", [0, 5])

@@ -22,7 +22,7 @@ from tpfuser.block.tensors import param_shapes
 from tpfuser.config import Layout
 from tpfuser.dist import procs
 from tpfuser.dist.sharegpu import SHARED_GPU_MARK, SHIM_VARIABLE, build_default_stream_shim
-from tpfuser.dist.world import SINGLE_PROCESS_MARK
+from tpfuser.dist.world import SINGLE_PROCESS_MARK, free_port
 from tpfuser.parallel.placements import PARAM_PLACEMENTS, local_shape, saved_bytes_per_rank
 
 # Deferred: tpfuser.runtime.chunked (relaunch, for a chunked schedule's
@@ -79,10 +79,13 @@ def torchrun_command(layout: Layout, argv: list[str], environ: dict[str, str],
                      shared_gpus: int = 0) -> tuple[list[str], dict[str, str]]:
     """The command and environment that re-run `tpfuser argv` under torchrun on this node.
     The world of one this process may have described (world.py) is dropped.
+    nvFuser's store gets a port free now (not torchrun's port + 1, which a
+    concurrent run's torchrun may hold).
     shared_gpus > 0: the ranks share that many GPUs (tpfuser.dist.sharegpu sets each rank up)."""
     env = {k: v for k, v in environ.items()
            if k not in (SINGLE_PROCESS_MARK, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                         "NVFUSER_MASTER_ADDR", "NVFUSER_MASTER_PORT", SHARED_GPU_MARK)}
+    env["NVFUSER_MASTER_PORT"] = str(free_port())
     module = "tpfuser.cli"
     if shared_gpus:
         env[SHARED_GPU_MARK] = str(shared_gpus)

@@ -37,6 +37,13 @@ from tpfuser.parallel.shard import gather
 SINGLE_PROCESS_MARK = "TPFUSER_SINGLE_PROCESS"
 
 
+def free_port() -> int:
+    """A port free on this host now, for nvFuser's store: so that concurrent runs do not collide."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
 def describe_single_process() -> bool:
     """Outside torchrun and mpirun, on a machine with a CUDA device, describe a
     world of one to nvFuser (rank 0 of 1, its store on a free local port).
@@ -50,9 +57,7 @@ def describe_single_process() -> bool:
         os.environ.setdefault(name, value)
     os.environ.setdefault("NVFUSER_MASTER_ADDR", "localhost")
     if "NVFUSER_MASTER_PORT" not in os.environ:
-        with socket.socket() as s:  # a free port, so that concurrent runs do not collide
-            s.bind(("localhost", 0))
-            os.environ["NVFUSER_MASTER_PORT"] = str(s.getsockname()[1])
+        os.environ["NVFUSER_MASTER_PORT"] = str(free_port())
     os.environ[SINGLE_PROCESS_MARK] = "1"
     return True
 
