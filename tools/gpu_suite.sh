@@ -31,8 +31,9 @@
 #           implementation, at the default schedule; nvFuser alone at the schedules STARTUP_SCHEDULES (names or
 #           files); gpt3's forward, nvFuser and torch.compile. Alone on the machine (compiles are CPU-bound)
 #   firstcall  tools/probes/first_call_probe.py, one fresh process each, one after another: the first call
-#           fusion by fusion (segmenting, compile, kernels) for each of FIRSTCALL_RUNS ("schedule:pass:threads",
-#           pass train or forward, threads NVFUSER_NUM_THREADS or - for nvFuser's default; a schedule by name or
+#           fusion by fusion (segmenting, compile, kernels) for each of FIRSTCALL_RUNS ("schedule:pass:threads[:flags]",
+#           pass train or forward, threads NVFUSER_NUM_THREADS or - for nvFuser's default, flags the probe's
+#           without their dashes, joined by commas, e.g. no-warmup,no-twins; a schedule by name or
 #           file, e.g. tools/schedules/first-call-*.json); bound FIRSTCALL_S each
 #   calibrate  tools/calibrate.py for CALIBRATE_PRESETS (default "gpt3 nanogpt") at tp 1 2 4 5 8, into
 #           $OUT/calibration.json (CALIBRATE_ARGS: more arguments, e.g. --no-beside); bound CALIBRATE_S
@@ -288,13 +289,13 @@ step_firstcall() {
   echo "== the first call fusion by fusion, one fresh process each (tools/probes/first_call_probe.py)"
   local run sched kind threads tag
   for run in ${FIRSTCALL_RUNS:-megatron:train:- megatron-cut-linears:train:-}; do
-    IFS=: read -r sched kind threads <<< "$run"
+    IFS=: read -r sched kind threads flags <<< "$run"
     threads=${threads:--}
-    if [[ $kind != train && $kind != forward ]]; then echo "firstcall $run: expected schedule:train|forward[:threads]"; continue; fi
-    tag=${sched%.json}; tag=firstcall_${tag//\//.}_${kind}_${threads/-/default}   # a name, or its file's path with . for /
+    if [[ $kind != train && $kind != forward ]]; then echo "firstcall $run: expected schedule:train|forward[:threads[:flags]]"; continue; fi
+    tag=${sched%.json}; tag=firstcall_${tag//\//.}_${kind}_${threads/-/default}${flags:+_${flags//,/_}}   # a name, or its file's path with . for /
     ( [[ $threads != - ]] && export NVFUSER_NUM_THREADS=$threads
       T ${FIRSTCALL_S:-120} -- python3 tools/probes/first_call_probe.py --schedule "$sched" \
-        $([[ $kind == forward ]] && echo --forward) > "$OUT/$tag.json" 2> "$OUT/$tag.err" )
+        $([[ $kind == forward ]] && echo --forward) ${flags:+$(printf -- ' --%s' ${flags//,/ })} > "$OUT/$tag.json" 2> "$OUT/$tag.err" )
     if line=$(python3 tools/probes/first_call_probe.py --line "$OUT/$tag.json" 2>/dev/null); then
       echo "$tag: $line"
     else

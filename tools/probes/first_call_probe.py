@@ -6,6 +6,7 @@ trace split per execute: segmenting, compileFusionParallel's wall time, the
 kernels it compiled, NVRTC's summed and longest time. JSON on stdout.
 
     python3 tools/probes/first_call_probe.py --preset nanogpt --schedule megatron-cut-linears [--forward]
+        [--no-warmup] [--no-twins]
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ def main() -> int:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--schedule", default="megatron-cut-linears")
     ap.add_argument("--forward", action="store_true", help="the forward alone, not the training step")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="cuBLAS starts at the first linear, not on a thread beside the first compiles (runtime/warmup.py)")
+    ap.add_argument("--no-twins", action="store_true",
+                    help="every fusion compiled, those defined alike too (schedule.share_twins)")
     args = ap.parse_args()
     if args.line:
         with open(args.line) as f:
@@ -101,12 +106,18 @@ def main() -> int:
 
     import torch
     out = {"schedule": args.schedule, "pass": "forward" if args.forward else "train",
+           "warmup": not args.no_warmup, "twins": not args.no_twins,
            "NVFUSER_NUM_THREADS": os.environ.get("NVFUSER_NUM_THREADS", "(8)"), "import_torch_s": lap()}
     import nvfuser_direct  # noqa: F401
     out["import_nvfuser_s"] = lap()
     from tpfuser.config import preset
     from tpfuser.runtime.module import TPBlock
     from tpfuser.verify.reference import make_block, make_input
+    from tpfuser.runtime import shared, warmup
+    if args.no_warmup:
+        warmup.start = lambda *a: False
+    if args.no_twins:
+        shared.share_twins = lambda *a: 0
     out["import_s"] = out["import_torch_s"] + out["import_nvfuser_s"] + lap()
     cfg = preset(args.preset, dtype=args.dtype, dropout=0.1)
     ref = make_block(cfg, dtype=torch.bfloat16, device="cuda", drawn_on="cuda")
@@ -125,12 +136,12 @@ def main() -> int:
     order = []
     for kind in ("forward",) if args.forward else ("train", "backward"):
         for piece in runner.pass_of(kind).pieces:
-            def timed(inputs, _execute=piece.fd.execute, _name=f"{kind}:{piece.point or 'start'}", **kw):
+            def timed(inputs, _execute=piece.execute, _name=f"{kind}:{piece.point or 'start'}", **kw):
                 lap()
                 result = _execute(inputs, **kw)
                 order.append((_name, lap()))
                 return result
-            piece.fd.execute = timed
+            piece.execute = timed
     xg = x.detach().requires_grad_(True)
     begun = time.perf_counter()
     if args.forward:
