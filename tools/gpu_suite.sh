@@ -28,8 +28,9 @@
 #   graphs  CUDA graphs: tests/test_gpu_graphs.py at 1x1, and `check --graphs` at 1x2 and 2x2
 #           (replays against the called block, bit for bit), side by side; bound GRAPHS_S
 #   startup the first call in fresh processes (bench --startup): nanogpt's forward and training step, every
-#           implementation, at the default schedule; nvFuser alone at the schedules STARTUP_SCHEDULES (names or
-#           files); gpt3's forward, nvFuser and torch.compile. Alone on the machine (compiles are CPU-bound)
+#           implementation (STARTUP_IMPLS: --impl), at the default schedule; nvFuser alone at the schedules
+#           STARTUP_SCHEDULES (names or files; set empty: none); gpt3's forward, nvFuser and torch.compile
+#           (STARTUP_GPT3=0: not). Alone on the machine (compiles are CPU-bound)
 #   firstcall  tools/probes/first_call_probe.py, one fresh process each, one after another: the first call
 #           fusion by fusion (segmenting, compile, kernels) for each of FIRSTCALL_RUNS ("schedule:pass:threads[:flags]",
 #           pass train or forward, threads NVFUSER_NUM_THREADS or - for nvFuser's default, flags the probe's
@@ -176,10 +177,10 @@ step_gpt3() {
 
 step_startup() {
   echo "== the first call, each in a fresh process (bench --startup)"
-  local s
-  T ${STARTUP_S:-200} -- python3 -m tpfuser.bench --preset nanogpt --startup --json "$OUT/startup_nanogpt.json" 2>&1 | tail -8
-  T ${STARTUP_S:-200} -- python3 -m tpfuser.bench --preset nanogpt --startup --train --json "$OUT/startup_nanogpt_train.json" 2>&1 | tail -8
-  for s in ${STARTUP_SCHEDULES:-megatron-whole megatron tools/schedules/masks-only.json}; do
+  local s impls=(${STARTUP_IMPLS:+--impl "$STARTUP_IMPLS"})
+  T ${STARTUP_S:-200} -- python3 -m tpfuser.bench --preset nanogpt --startup "${impls[@]}" --json "$OUT/startup_nanogpt.json" 2>&1 | tail -8
+  T ${STARTUP_S:-200} -- python3 -m tpfuser.bench --preset nanogpt --startup --train "${impls[@]}" --json "$OUT/startup_nanogpt_train.json" 2>&1 | tail -8
+  for s in ${STARTUP_SCHEDULES-megatron-whole megatron tools/schedules/masks-only.json}; do
     local opt=--schedule; [[ -f $s ]] && opt=--schedule-file
     local tag=$(basename "$s" .json)
     T ${STARTUP_S:-200} -- python3 -m tpfuser.bench --preset nanogpt --startup --impl nvfuser $opt "$s" \
@@ -188,6 +189,7 @@ step_startup() {
     T ${STARTUP_S:-200} -- python3 -m tpfuser.bench --preset nanogpt --startup --train --impl nvfuser $opt "$s" \
       --json "$OUT/startup_nanogpt_train_$tag.json" 2>&1 | tail -3
   done
+  [[ ${STARTUP_GPT3:-1} == 1 ]] || return 0
   T ${STARTUP_S:-200} -- python3 -m tpfuser.bench --preset gpt3 --startup --impl nvfuser,compile \
     --json "$OUT/startup_gpt3.json" 2>&1 | tail -4
 }
