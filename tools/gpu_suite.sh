@@ -34,9 +34,10 @@
 #   firstcall  tools/probes/first_call_probe.py, one fresh process each, one after another: the first call
 #           fusion by fusion (segmenting, compile, kernels) for each of FIRSTCALL_RUNS ("schedule:pass:threads[:flags]",
 #           pass train or forward, threads NVFUSER_NUM_THREADS or - for nvFuser's default, flags the probe's
-#           without their dashes, joined by commas, e.g. no-warmup,no-twins; a schedule by name or
+#           without their dashes, joined by commas, e.g. no-twins; a schedule by name or
 #           file, e.g. tools/schedules/first-call-*.json); bound FIRSTCALL_S each
-#   cublas  tools/probes/cublas_start_probe.py: what a cold process's first linear waits for; bound CUBLAS_S
+#   cublas  tools/probes/cublas_start_probe.py: what a cold process's first linear waits for (CUBLAS_CASES: some
+#           of its cases); bound CUBLAS_S
 #   calibrate  tools/calibrate.py for CALIBRATE_PRESETS (default "gpt3 nanogpt") at tp 1 2 4 5 8, into
 #           $OUT/calibration.json (CALIBRATE_ARGS: more arguments, e.g. --no-beside); bound CALIBRATE_S
 #   main    `make`'s job (`tpfuser main`: check of both dtypes, the default preset, 1x1), timed whole into
@@ -308,7 +309,7 @@ step_firstcall() {
 }
 step_cublas() {
   echo "== what a cold process's first linear waits for (tools/probes/cublas_start_probe.py), a fresh process each"
-  T ${CUBLAS_S:-120} -- python3 tools/probes/cublas_start_probe.py > "$OUT/cublas_start.jsonl" 2> "$OUT/cublas_start.err"
+  T ${CUBLAS_S:-120} -- python3 tools/probes/cublas_start_probe.py ${CUBLAS_CASES:-} > "$OUT/cublas_start.jsonl" 2> "$OUT/cublas_start.err"
   cut -c1-300 "$OUT/cublas_start.jsonl"
 }
 step_main() {

@@ -4,9 +4,10 @@ linear took 1.4-2.0 s of a first call, runs 46-49, with nothing compiled).
 Each case in a fresh process, the GPU synchronized after each step; JSON on stdout:
   torch       F.linear: 16x16 first, then nanogpt's c_attn shape (bf16, with bias) twice
   big-first   the c_attn shape first, then 16x16
-  thread      runtime/warmup.py's thread started, 3 s of sleep, then the c_attn shape
+  thread      a thread's 16x16 linear, 3 s of sleep, then the c_attn shape
   thread-big  a thread of the c_attn shape's linear instead, then the same
-  nvfuser     a fusion of that one linear (nvfuser_direct), executed twice, then torch's
+  nvfuser     a fusion of that one linear (nvfuser_direct), executed twice, then torch's; the
+              first execute's time by nvFuser's trace scope (the 15 longest, seconds, summed)
 
     python3 tools/probes/cublas_start_probe.py [case ...]
 """
@@ -17,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 CASES = ("torch", "big-first", "thread", "thread-big", "nvfuser")
@@ -50,20 +52,11 @@ def child(case: str) -> dict:
         out["big_first_s"] = lap()
         F.linear(small, small, small[0])
         out["small_after_big_s"] = lap()
-    elif case == "thread":
-        sys.path.insert(0, os.getcwd())
-        from tpfuser.runtime import warmup
-        warmup.start(torch.device("cuda", 0), torch.bfloat16)
-        time.sleep(3.0)
-        out["thread_alive_after_3s"] = any(t.is_alive() for t in warmup._threads.values())
-        lap()
-        F.linear(x, w, b)
-        out["big_after_thread_s"] = lap()
-    elif case == "thread-big":
+    elif case in ("thread", "thread-big"):
         import threading
 
         def body():
-            F.linear(x, w, b)
+            F.linear(x, w, b) if case == "thread-big" else F.linear(small, small, small[0])
             torch.cuda.synchronize()
         thread = threading.Thread(target=body)
         thread.start()
@@ -83,6 +76,7 @@ def child(case: str) -> dict:
         out["define_s"] = lap()
         fd.execute([x, w, b])
         out["fusion_first_s"] = lap()
+        out["first_execute_scopes"] = scopes(os.environ["NVFUSER_TRACE"])
         fd.execute([x, w, b])
         out["fusion_second_s"] = lap()
         F.linear(x, w, b)
@@ -92,12 +86,38 @@ def child(case: str) -> dict:
     return out
 
 
+def scopes(trace: str, count: int = 15) -> dict[str, float]:
+    """Seconds in each scope of an NVFUSER_TRACE file so far, summed over its
+    outermost openings on each thread (a scope inside one of its own name not
+    counted twice); the `count` longest."""
+    import ctypes
+    ctypes.CDLL(None).fflush(None)   # the trace is C stdio
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+    from tpfuser.bench.startup import TRACE_EVENT
+    with open(trace, errors="replace") as f:
+        text = f.read()
+    stacks, spent = {}, {}
+    for m in TRACE_EVENT.finditer(text):
+        stack = stacks.setdefault(m["tid"], [])
+        if m["ph"] == "B":
+            stack.append((m["name"], float(m["ts"])))
+        elif stack:
+            name, begun = stack.pop()
+            if not any(n == name for n, _ in stack):
+                spent[name] = spent.get(name, 0.0) + (float(m["ts"]) - begun) * 1e-6
+    return {name: round(s, 4) for name, s in sorted(spent.items(), key=lambda kv: -kv[1])[:count]}
+
+
 def main() -> int:
     if sys.argv[1:2] == ["--child"]:
         print(json.dumps(child(sys.argv[2])), flush=True)
         os._exit(0)
     for case in sys.argv[1:] or CASES:
-        done = subprocess.run([sys.executable, __file__, "--child", case], capture_output=True, text=True, timeout=300)
+        env = dict(os.environ)
+        if case == "nvfuser":
+            env["NVFUSER_TRACE"] = os.path.join(tempfile.mkdtemp(prefix="cublas-start-"), "trace.json")
+        done = subprocess.run([sys.executable, __file__, "--child", case], capture_output=True, text=True, timeout=300,
+                              env=env)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         print(lines[-1] if lines else json.dumps({"case": case, "error": done.stderr.strip()[-400:]}), flush=True)
     return 0

@@ -6,7 +6,7 @@ trace split per execute: segmenting, compileFusionParallel's wall time, the
 kernels it compiled, NVRTC's summed and longest time. JSON on stdout.
 
     python3 tools/probes/first_call_probe.py --preset nanogpt --schedule megatron-cut-linears [--forward]
-        [--no-warmup] [--no-twins]
+        [--no-twins]
 """
 
 from __future__ import annotations
@@ -82,8 +82,6 @@ def main() -> int:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--schedule", default="megatron-cut-linears")
     ap.add_argument("--forward", action="store_true", help="the forward alone, not the training step")
-    ap.add_argument("--no-warmup", action="store_true",
-                    help="cuBLAS starts at the first linear, not on a thread beside the first compiles (runtime/warmup.py)")
     ap.add_argument("--no-twins", action="store_true",
                     help="every fusion compiled, those defined alike too (schedule.share_twins)")
     args = ap.parse_args()
@@ -106,16 +104,14 @@ def main() -> int:
 
     import torch
     out = {"schedule": args.schedule, "pass": "forward" if args.forward else "train",
-           "warmup": not args.no_warmup, "twins": not args.no_twins,
+           "twins": not args.no_twins,
            "NVFUSER_NUM_THREADS": os.environ.get("NVFUSER_NUM_THREADS", "(8)"), "import_torch_s": lap()}
     import nvfuser_direct  # noqa: F401
     out["import_nvfuser_s"] = lap()
     from tpfuser.config import preset
     from tpfuser.runtime.module import TPBlock
     from tpfuser.verify.reference import make_block, make_input
-    from tpfuser.runtime import shared, warmup
-    if args.no_warmup:
-        warmup.start = lambda *a: False
+    from tpfuser.runtime import shared
     if args.no_twins:
         shared.share_twins = lambda *a: 0
     out["import_s"] = out["import_torch_s"] + out["import_nvfuser_s"] + lap()

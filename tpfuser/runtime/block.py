@@ -27,7 +27,7 @@ from tpfuser.parallel.placements import PARAM_PLACEMENTS, local_shape, placement
 from tpfuser.parallel.schedule import Pass
 from tpfuser.parallel.schedules import Schedule, default_schedule, known_failure, load_schedule
 from tpfuser.parallel.shard import local_slice, slice_starts
-from tpfuser.runtime import kernel_cache, shared, warmup
+from tpfuser.runtime import kernel_cache, shared
 from tpfuser.runtime.chunked import ChunkedLinears
 from tpfuser.runtime.weights import check_finite, check_tensor, from_hf_gpt2, rank_shards, to_device
 
@@ -116,7 +116,6 @@ class ShardedBlock:
         self.cfg, self.layout, self.rank, self.check = cfg, layout, rank, check
         self.dp_rank, self.tp_rank = layout.rank_coords(rank)
         self.device = device or torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
-        warmup.start(self.device, cfg.torch_dtype)   # cuBLAS starts while the first fusions compile
         self.form = self.schedule.form()
         self.keys_on_device = self.schedule.keys_on_device and cfg.dropout > 0
         self._keys = None   # the keys' CUDA tensor (keys_on_device), made at first use
@@ -277,7 +276,6 @@ class ShardedBlock:
             inputs = [env[name] for name in piece.inputs]
             outs = chunked(inputs) if chunked else piece.execute(inputs, **self._piece_options(run, piece))
             env.update(zip(piece.outputs, outs))
-        warmup.wait()   # never left running into a CUDA graph's capture
         return {name: env[name] for name in run.outputs}
 
     def _piece_options(self, run: Pass, piece) -> dict:
