@@ -94,3 +94,33 @@ def test_fusions_defined_alike_compile_once():
     run.pieces[1].laid_out = True
     assert schedule_module.share_twins(run, default_schedule(Layout()).form(), lambda point: {}) == 0
     shared.forget_fusions()
+
+
+def test_the_column_linears_alone_skip_nvfusers_meta_inference():
+    """Only the fusions of a linear with its bias, under the default schedules:
+    the rest keep nvFuser's stride inference."""
+    import torch
+
+    from tpfuser.runtime.block import ShardedBlock
+    cfg = preset("tiny")
+    for layout in (Layout(), Layout(1, 2, sp=True)):
+        block = ShardedBlock(cfg, layout, device=torch.device("cpu"))
+        for kind in ("forward", "train", "backward"):
+            run = block.pass_of(kind)
+            skipped = {p.point for p in run.pieces
+                       if "infer_contiguity" in block._piece_options(run, p).get("_disable_options", [])}
+            assert skipped == ({"attn.c_attn", "mlp.c_fc"} if kind != "backward" else set()), (layout, kind)
+
+
+def test_pytorchs_meta_linear_with_a_bias_imports_dynamo():
+    """Why they skip it: the first meta linear with a bias (nvFuser's inference
+    of a linear's output strides) imports torch._dynamo, a second or more of a
+    cold first call; without a bias it does not. The day this fails, the
+    option can go (schedules.LINEARS_ALONE_UNINFERRED)."""
+    import subprocess
+    import sys
+    code = ("import sys, torch; m = lambda *s: torch.empty(*s, device='meta'); "
+            "torch.nn.functional.linear(m(2, 3, 4), m(5, 4){}); print('torch._dynamo' in sys.modules)")
+    seen = [subprocess.run([sys.executable, "-c", code.format(bias)], capture_output=True, text=True,
+                           timeout=120).stdout.strip() for bias in (", m(5)", "")]
+    assert seen == ["True", "False"]

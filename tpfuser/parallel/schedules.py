@@ -248,6 +248,11 @@ def _megatron(name: str, sp: bool, chunked: dict | None = None, **block) -> Sche
 # The sublayers' boundary: the forward cut before the MLP's first linear, the backward before attention's.
 SUBLAYER_CUTS = ("mlp.c_fc", "grad:attn.c_proj")
 ALL_CUTS = tuple(c for c in FORWARD_CUTS if c != "masks") + BACKWARD_CUTS
+# A linear with its bias, cut off alone (the column-parallel ones): nvFuser infers its output's
+# strides by running it on meta tensors, and PyTorch's meta addmm imports torch._dynamo at its
+# first call (1.4-2.1 s of a cold first call; NOTES.md). ATen returns the output contiguous, as
+# nvFuser assumes without that inference.
+LINEARS_ALONE_UNINFERRED = {linear: {"disable_options": ["infer_contiguity"]} for linear in COLUMN}
 
 SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
     # Megatron-LM's tensor parallelism (Shoeybi et al., 2019).
@@ -258,8 +263,8 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
     _megatron("megatron-whole", sp=False, masks="inline"),
     _megatron("megatron-sp-whole", sp=True, masks="inline"),
     # Cut before and after every linear: each a fusion of its own (what an overlap experiment starts from).
-    _megatron("megatron-cut-linears", sp=False, cuts=ALL_CUTS),
-    _megatron("megatron-sp-cut-linears", sp=True, cuts=ALL_CUTS),
+    _megatron("megatron-cut-linears", sp=False, cuts=ALL_CUTS, fusion_options=LINEARS_ALONE_UNINFERRED),
+    _megatron("megatron-sp-cut-linears", sp=True, cuts=ALL_CUTS, fusion_options=LINEARS_ALONE_UNINFERRED),
     # Overlap, each chunk a fusion on a side stream: under TP the row-parallel linears' all-reduces
     # and (backward) the column-parallel ones' input-gradient all-reduces; under SP the all-gathers
     # before the column-parallel linears and the reduce-scatters after the row-parallel ones (and
