@@ -90,15 +90,12 @@ class Schedule:
     passes are cut into fusions (FORWARD_CUTS, BACKWARD_CUTS); a chunked linear
     adds its own (fusion_cuts). segment_hints: points kept inside one fusion
     where nvFuser's segmenter is told to end a kernel (Form.hints; 1x1 only).
-    masks, qkv_split, flash_layout, keys_on_device: block/form.py's. split_unit_axes: also split over a mesh axis of one
-    device (parallel/schedule.apply_placement). enable_options,
-    disable_options: nvFuser's, for every fusion (a chunk's too; overlap
-    "streams" runs its host IR with its own); fusion_options: more for
-    some fusions, by the cut point each begins at ("" the first), e.g.
-    {"attn.c_attn.out": {"disable_options": ["infer_contiguity"]}}.
-    mesh=False: the fusions without a device mesh (1x1 only), run by
-    nvFuser's single-device executor. experimental: run what nvFuser 0.2.36
-    is known to fail (known_failure), to try a way round it."""
+    masks, qkv_split, flash_layout, keys_on_device: block/form.py's. split_unit_axes: also split over a mesh axis of
+    one device (parallel/schedule.apply_placement). enable_options, disable_options: nvFuser's, for every fusion (a
+    chunk's too; overlap "streams" runs its host IR with its own); fusion_options: more for some fusions, by the cut
+    point each begins at ("" the first), e.g. LINEARS_ALONE_UNINFERRED. mesh=False: the fusions without a device
+    mesh (1x1 only), run by nvFuser's single-device executor. experimental: run what nvFuser 0.2.36 is known to
+    fail (known_failure), to try a way round it."""
 
     name: str
     linears: dict = field(default_factory=dict)
@@ -248,10 +245,7 @@ def _megatron(name: str, sp: bool, chunked: dict | None = None, **block) -> Sche
 # The sublayers' boundary: the forward cut before the MLP's first linear, the backward before attention's.
 SUBLAYER_CUTS = ("mlp.c_fc", "grad:attn.c_proj")
 ALL_CUTS = tuple(c for c in FORWARD_CUTS if c != "masks") + BACKWARD_CUTS
-# A linear with its bias, cut off alone (the column-parallel ones): nvFuser infers its output's
-# strides by running it on meta tensors, and PyTorch's meta addmm imports torch._dynamo at its
-# first call (1.4-2.1 s of a cold first call; NOTES.md). ATen returns the output contiguous, as
-# nvFuser assumes without that inference.
+# A biased linear alone: its output contiguous, not inferred on meta tensors (meta addmm imports dynamo; NOTES.md)
 LINEARS_ALONE_UNINFERRED = {linear: {"disable_options": ["infer_contiguity"]} for linear in COLUMN}
 
 SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
