@@ -110,13 +110,20 @@ def test_the_column_linears_alone_skip_nvfusers_meta_inference():
             skipped = {p.point for p in run.pieces
                        if "infer_contiguity" in block._piece_options(run, p).get("_disable_options", [])}
             assert skipped == ({"attn.c_attn", "mlp.c_fc"} if kind != "backward" else set()), (layout, kind)
+    # not where the linear shares its fusion, nor where it runs in chunks, nor in the sublayer cuts
+    cuts = [c for c in SCHEDULES["megatron-cut-linears"].cuts if c != "attn.c_attn.out"]
+    fewer = SCHEDULES["megatron-cut-linears"].replace(name="fewer", cuts=tuple(cuts))
+    assert "_disable_options" not in fewer.options("attn.c_attn") and fewer.options("mlp.c_fc")
+    assert fewer.options("mlp.c_fc") == {"_disable_options": ["infer_contiguity"]}
+    for name in ("megatron", "megatron-overlap", "megatron-whole"):
+        assert not any(SCHEDULES[name].options(p) for p in SCHEDULES[name].fusion_points()), name
 
 
 def test_pytorchs_meta_linear_with_a_bias_imports_dynamo():
     """Why they skip it: the first meta linear with a bias (nvFuser's inference
     of a linear's output strides) imports torch._dynamo, a second or more of a
     cold first call; without a bias it does not. The day this fails, the
-    option can go (schedules.LINEARS_ALONE_UNINFERRED)."""
+    option can go (Schedule.options)."""
     import subprocess
     import sys
     code = ("import sys, torch; m = lambda *s: torch.empty(*s, device='meta'); "

@@ -33,7 +33,7 @@ def test_whatever_changes_a_fusion_or_its_compile_gives_its_own():
         "options": ShardedBlock(cfg, Layout(1, 2), device=CPU,
                                 schedule=default.replace(disable_options=("infer_contiguity",))),
         "one fusion's options": ShardedBlock(cfg, Layout(1, 2), device=CPU, schedule=default.replace(
-            fusion_options={"mlp.c_fc": {"disable_options": ["infer_contiguity"]}})),
+            fusion_options={"mlp.c_fc.out": {"disable_options": ["infer_contiguity"]}})),
         "device": ShardedBlock(cfg, Layout(1, 2), device=torch.device("cuda", 1)),
     }
     for why, block in others.items():

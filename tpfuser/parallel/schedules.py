@@ -93,9 +93,9 @@ class Schedule:
     masks, qkv_split, flash_layout, keys_on_device: block/form.py's. split_unit_axes: also split over a mesh axis of
     one device (parallel/schedule.apply_placement). enable_options, disable_options: nvFuser's, for every fusion (a
     chunk's too; overlap "streams" runs its host IR with its own); fusion_options: more for some fusions, by the cut
-    point each begins at ("" the first), e.g. LINEARS_ALONE_UNINFERRED. mesh=False: the fusions without a device
-    mesh (1x1 only), run by nvFuser's single-device executor. experimental: run what nvFuser 0.2.36 is known to
-    fail (known_failure), to try a way round it."""
+    point each begins at ("" the first), e.g. {"mlp.c_fc.out": {"disable_options": ["infer_contiguity"]}}.
+    mesh=False: the fusions without a device mesh (1x1 only), run by nvFuser's single-device executor.
+    experimental: run what nvFuser 0.2.36 is known to fail (known_failure), to try a way round it."""
 
     name: str
     linears: dict = field(default_factory=dict)
@@ -218,8 +218,11 @@ class Schedule:
                 raise ChunksRefused(linear, what, rows, plan.chunks)
 
     def options(self, point: str) -> dict:
-        """fd.execute's option keywords for the fusion beginning at cut `point`."""
-        extra = self.fusion_options.get(point, {})
+        """fd.execute's option keywords for the fusion beginning at cut `point`. A column linear cut off alone
+        skips nvFuser's stride inference on meta tensors (meta addmm imports torch._dynamo: 1.4-2.1 s; NOTES.md)."""
+        extra = dict(self.fusion_options.get(point, {}))
+        if point in COLUMN and point not in self.chunked() and {point, f"{point}.out"} <= set(self.cuts):
+            extra["disable_options"] = [*extra.get("disable_options", ()), "infer_contiguity"]
         out = {}
         for key, every in (("_enable_options", self.enable_options), ("_disable_options", self.disable_options)):
             names = [*every, *extra.get(key.lstrip("_"), ())]
@@ -245,8 +248,6 @@ def _megatron(name: str, sp: bool, chunked: dict | None = None, **block) -> Sche
 # The sublayers' boundary: the forward cut before the MLP's first linear, the backward before attention's.
 SUBLAYER_CUTS = ("mlp.c_fc", "grad:attn.c_proj")
 ALL_CUTS = tuple(c for c in FORWARD_CUTS if c != "masks") + BACKWARD_CUTS
-# A biased linear alone: its output contiguous, not inferred on meta tensors (meta addmm imports dynamo; NOTES.md)
-LINEARS_ALONE_UNINFERRED = {linear: {"disable_options": ["infer_contiguity"]} for linear in COLUMN}
 
 SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
     # Megatron-LM's tensor parallelism (Shoeybi et al., 2019).
@@ -257,8 +258,8 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
     _megatron("megatron-whole", sp=False, masks="inline"),
     _megatron("megatron-sp-whole", sp=True, masks="inline"),
     # Cut before and after every linear: each a fusion of its own (what an overlap experiment starts from).
-    _megatron("megatron-cut-linears", sp=False, cuts=ALL_CUTS, fusion_options=LINEARS_ALONE_UNINFERRED),
-    _megatron("megatron-sp-cut-linears", sp=True, cuts=ALL_CUTS, fusion_options=LINEARS_ALONE_UNINFERRED),
+    _megatron("megatron-cut-linears", sp=False, cuts=ALL_CUTS),
+    _megatron("megatron-sp-cut-linears", sp=True, cuts=ALL_CUTS),
     # Overlap, each chunk a fusion on a side stream: under TP the row-parallel linears' all-reduces
     # and (backward) the column-parallel ones' input-gradient all-reduces; under SP the all-gathers
     # before the column-parallel linears and the reduce-scatters after the row-parallel ones (and
