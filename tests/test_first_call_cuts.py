@@ -65,10 +65,10 @@ def test_sequence_major_where_nvfuser_reduce_scatters(monkeypatch):
         assert called == [1] * want, layout
 
 
-def test_fusions_defined_alike_compile_once():
+def test_fusions_defined_alike_compile_once(monkeypatch):
     """The two residual masks (their stream's key and starts are inputs) are one
-    fusion run twice; a fusion that carries a layout of the schedule's, or
-    that runs under other options, has no twin."""
+    fusion run twice; a fusion that carries a layout of the schedule's, runs
+    under other options or declares an input in another memory order has no twin."""
     import torch
 
     from tpfuser.runtime import shared
@@ -92,6 +92,9 @@ def test_fusions_defined_alike_compile_once():
                                        lambda point: {"_enable_options": [point]}) == 0
     run = build_forward(cfg, Layout(), train=True)
     run.pieces[1].laid_out = True
+    assert schedule_module.share_twins(run, default_schedule(Layout()).form(), lambda point: {}) == 0
+    run = build_forward(cfg, Layout(), train=True)   # an input declared in another memory order
+    monkeypatch.setattr(schedule_module, "declared_order", lambda name, *_: (0,) if name == "key.resid_mlp" else None)
     assert schedule_module.share_twins(run, default_schedule(Layout()).form(), lambda point: {}) == 0
     shared.forget_fusions()
 

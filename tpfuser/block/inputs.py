@@ -42,6 +42,12 @@ def rng_input_names(cfg: BlockConfig) -> list[str]:
 _KINDS = {"f32": DataType.Float, "u64": DataType.UInt64, "bool": DataType.Bool}
 
 
+def declared_order(name: str, cfg: BlockConfig, form: Form) -> tuple[int, ...] | None:
+    """The memory order a fusion declares its input `name` in (tensors.memory_order; None:
+    contiguous, as for the dropout scalars)."""
+    return memory_order(BY_NAME[name], cfg) if form.flash_layout and name in BY_NAME else None
+
+
 def input_definer(cfg: BlockConfig, form: Form):
     """define_input(fd, name) for block/pieces.py: a tensor of the table at its
     global shape and memory order (laid out as the fusion that writes it
@@ -56,7 +62,6 @@ def input_definer(cfg: BlockConfig, form: Form):
             return fd.define_scalar(dtype=DataType.Int)
         t = BY_NAME[name]
         dtype = NV_DTYPE[cfg.torch_dtype] if t.dtype == "block" else _KINDS[t.dtype]
-        order = memory_order(t, cfg) if form.flash_layout else None
         return fd.define_tensor(shape=list(t.shape(cfg)), contiguity=True, dtype=dtype,
-                                stride_order=stride_order(order))
+                                stride_order=stride_order(declared_order(name, cfg, form)))
     return define_input

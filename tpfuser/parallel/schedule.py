@@ -24,9 +24,8 @@ from nvfuser_direct import ParallelType
 from tpfuser.block.backward import backward_order, define_backward
 from tpfuser.block.form import BACKWARD_CUTS, FORWARD_CUTS, PARTIAL_SUMS, Form
 from tpfuser.block.forward import define_forward, forward_order, forward_outputs, mask_cuts
-from tpfuser.block.inputs import input_definer
+from tpfuser.block.inputs import declared_order, input_definer
 from tpfuser.block.pieces import Piece, build_pieces
-from tpfuser.block.tensors import BY_NAME, memory_order
 from tpfuser.config import BlockConfig, Layout
 from tpfuser.parallel.placements import DP, TP, axis_sizes, placements
 from tpfuser.parallel.schedules import default_schedule, load_schedule
@@ -211,8 +210,7 @@ def share_twins(run: Pass, form: Form, options_of: Callable[[str], dict]) -> int
     for piece in run.pieces:
         if piece.laid_out:
             continue
-        orders = tuple(memory_order(BY_NAME[name], run.cfg) if form.flash_layout and name in BY_NAME else None
-                       for name in piece.inputs)
+        orders = tuple(declared_order(name, run.cfg, form) for name in piece.inputs)
         options = json.dumps(options_of(piece.point), sort_keys=True)
         piece.twin = first.setdefault((piece.fd.fusion.print_math(), orders, options), piece)
         if piece.twin is piece:
