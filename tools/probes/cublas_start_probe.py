@@ -92,19 +92,14 @@ def scopes(trace: str, count: int = 15) -> dict[str, float]:
     counted twice); the `count` longest."""
     import ctypes
     ctypes.CDLL(None).fflush(None)   # the trace is C stdio
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-    from tpfuser.bench.startup import TRACE_EVENT
+    sys.path.insert(0, os.path.dirname(__file__))
+    from first_call_probe import closed_scopes
     with open(trace, errors="replace") as f:
         text = f.read()
-    stacks, spent = {}, {}
-    for m in TRACE_EVENT.finditer(text):
-        stack = stacks.setdefault(m["tid"], [])
-        if m["ph"] == "B":
-            stack.append((m["name"], float(m["ts"])))
-        elif stack:
-            name, begun = stack.pop()
-            if not any(n == name for n, _ in stack):
-                spent[name] = spent.get(name, 0.0) + (float(m["ts"]) - begun) * 1e-6
+    spent = {}
+    for name, _, begun, ended, outermost in closed_scopes(text):
+        if outermost:
+            spent[name] = spent.get(name, 0.0) + (ended - begun) * 1e-6
     return {name: round(s, 4) for name, s in sorted(spent.items(), key=lambda kv: -kv[1])[:count]}
 
 

@@ -28,20 +28,26 @@ from tpfuser.bench.startup import CALLING, COMPILING, SEGMENTING, TRACE_EVENT  #
 PHASES = {SEGMENTING: "segmenting_s", COMPILING: "compile_wall_s"}
 
 
+def closed_scopes(text: str) -> list[tuple[str, str, float, float, bool]]:
+    """Every closed scope of an NVFUSER_TRACE text: (name, thread, begin, end
+    in us, whether it is the outermost of its name on its thread)."""
+    spans, stacks = [], {}
+    for m in TRACE_EVENT.finditer(text):
+        stack = stacks.setdefault(m["tid"], [])
+        if m["ph"] == "B":
+            stack.append((m["name"], float(m["ts"])))
+        elif stack:
+            opened, begun = stack.pop()
+            spans.append((opened, m["tid"], begun, float(m["ts"]), not any(n == opened for n, _ in stack)))
+    return spans
+
+
 def split(text: str) -> list[dict]:
     """One row per outermost execute, in time order, on whatever thread ran it
     (the backward runs on autograd's): its wall time, its segmenting and
     compile wall time on that thread, and the kernels compiled and NVRTC's
     time on any thread inside its window."""
-    events = [(m["name"], m["ph"], m["tid"], float(m["ts"])) for m in TRACE_EVENT.finditer(text)]
-    spans, stacks = [], {}
-    for name, ph, tid, ts in events:   # every closed scope: (name, tid, begin, end, outermost of its name)
-        stack = stacks.setdefault(tid, [])
-        if ph == "B":
-            stack.append((name, ts))
-        elif stack:
-            opened, begun = stack.pop()
-            spans.append((opened, tid, begun, ts, not any(n == opened for n, _ in stack)))
+    spans = closed_scopes(text)
     calls = sorted((b, e, tid) for n, tid, b, e, outer in spans if n == CALLING and outer)
     rows = []
     for b, e, caller in calls:
