@@ -119,3 +119,15 @@ def test_reports_are_judged_by_the_plan_of_the_fusions_they_ran():
     assert mesh_suite.summarize(with_splits)["ok"] and mesh_suite.summarize(without)["ok"]
     assert not mesh_suite.summarize({**with_splits, "split_unit_axes": False})["ok"]
     assert not mesh_suite.summarize({**without, "split_unit_axes": True})["ok"]
+
+
+def test_collectives_are_judged_by_the_plan_of_the_schedule_the_rank_ran():
+    """A report names its schedule: the default (cut at the linears) plans what
+    megatron-sp does; the overlapped schedule plans chunked collectives, which
+    these ranks (run 17, unchunked) did not post. Reports without the key are megatron's."""
+    rank = json.load(open(f"{RUNS}/run17/tiny_2x2_sp.json"))["cases"][0]["ranks"][3]
+    assert "schedule" not in rank and mesh_suite.passed(rank)
+    rank["schedule"] = "megatron-sp-cut-linears"
+    assert mesh_suite.passed(rank)
+    rank["schedule"] = "megatron-sp-overlap"
+    assert not mesh_suite.passed(rank)

@@ -129,16 +129,18 @@ def run_name(folder: str) -> str:
 def recompared(rank: dict, split_unit_axes: bool = True) -> dict | None:
     """The rank's stored posted collectives compared with today's plan (a report
     written before a plan's fix is judged by the fixed plan, not its own verdict)
-    for the fusions the report ran: split over a mesh axis of one device or not
-    (its split_unit_axes; reports without the key, written before it existed, ran split)."""
-    from tpfuser.parallel.schedules import SCHEDULES
+    for the schedule the rank ran (reports from before the key: megatron's) and
+    the fusions it ran: split over a mesh axis of one device or not (its
+    split_unit_axes; reports without the key, written before it existed, ran split)."""
+    from tpfuser.parallel.schedules import load_schedule
     from tpfuser.verify.check import compare_with_plan
     if not rank.get("collectives"):
         return rank.get("collectives")
     dp, tp = map(int, rank["mesh"].split("x"))
     cfg = preset(rank["preset"], dtype=rank["dtype"], dropout=rank["dropout"])
     posted = {phase: c["posted"] for phase, c in rank["collectives"].items()}
-    schedule = SCHEDULES["megatron-sp" if rank["sp"] else "megatron"].replace(split_unit_axes=split_unit_axes)
+    name = rank.get("schedule") or ("megatron-sp" if rank["sp"] else "megatron")
+    schedule = load_schedule(name).replace(split_unit_axes=split_unit_axes)
     return compare_with_plan(posted, cfg, Layout(dp, tp, rank["sp"]), rank["rank"], schedule)
 
 
