@@ -25,3 +25,15 @@ def test_two_heads_per_rank_run_exactly():
     done = run_on_ranks("repro_one_head.py", ["4", "slice"])
     lines = [line for line in done.stdout.splitlines() if line.startswith("rank 0:")]
     assert lines and "ran, max error 0.0e+00" in lines[0], done.stdout[-1000:] + done.stderr[-1000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_rank_stuck_in_a_form_is_ended_by_its_bound():
+    """ONE_HEAD_FORM_S bounds each form: at 10 ms no rank can compile and run one,
+    so each prints its stacks and exits 1 instead of finishing (or hanging)."""
+    import os
+    done = run_on_ranks("repro_one_head.py", ["4", "slice"], env={**os.environ, "ONE_HEAD_FORM_S": "0.01"},
+                        timeout_s=120)
+    assert done.returncode != 0 and "Timeout" in done.stderr, done.stdout[-1000:] + done.stderr[-1000:]
+    assert "ran, max error" not in done.stdout

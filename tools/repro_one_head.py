@@ -22,10 +22,13 @@ Forms (default: all):
   onehot_in  onehot with the one-hots the rows of an input, the identity [3, 3]
           replicated on the mesh (in case iota's tensors, which no input
           reaches, have no mesh for the multi-device passes).
-Not run on a GPU yet (written on the CPU, sixth session): the next session's probe.
+Each form is bounded by FORM_S seconds (env ONE_HEAD_FORM_S, default 120): a
+rank still in it then prints its stacks and exits 1, so that a rank left waiting
+on a collective its peer never reached cannot hold torchrun (and the test) up.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 
@@ -34,6 +37,7 @@ from nvfuser_direct import DataType, FusionDefinition, ParallelType
 
 FORMS = ("select", "onehot", "onehot_in", "slice")   # the one expected to fail last
 B, S, D = 2, 8, 8
+FORM_S = float(os.environ.get("ONE_HEAD_FORM_S", "120"))
 
 
 def _one_hot(fd, i: int, eye=None):
@@ -113,6 +117,7 @@ def main(argv: list[str]) -> int:
     grads = [torch.randn(B, heads, S, D, device="cuda") for _ in range(3)]
     want_out, want_g = expected(qkv, grads, heads)
     for form in forms:
+        faulthandler.dump_traceback_later(FORM_S, exit=True)   # a hung form ends the rank (exit 1)
         try:
             with FusionDefinition() as fd:
                 define(fd, heads, tp, form, mesh)
@@ -124,6 +129,7 @@ def main(argv: list[str]) -> int:
         except Exception as e:   # the whole message, backtraces dropped: nested segment errors name their input
             message = error_message(e, limit=1500).replace("\n", " | ")
             print(f"rank {rank}: {form:9} heads {heads} tp {tp}: FAILED: {message}", flush=True)
+        faulthandler.cancel_dump_traceback_later()
     sys.stdout.flush()
     os._exit(0)   # nvFuser's communicator at interpreter exit is not needed here
 
