@@ -48,6 +48,16 @@ def test_the_backward_on_autograds_thread_is_counted():
     assert abs(backward["compile_wall_s"] - 0.1998) < 1e-9
 
 
+def test_a_scope_nested_in_one_of_its_name_is_counted_once():
+    """An execute inside an execute (and segmenting inside segmenting) on one
+    thread: one row, its time the outer scope's, not the sum of both."""
+    events = [(RUN, "B", 7, 0), (SEG, "B", 7, 100), (SEG, "B", 7, 200_000), (SEG, "E", 7, 500_000),
+              (SEG, "E", 7, 1_000_100), (RUN, "B", 7, 1_100_000), (RUN, "E", 7, 1_500_000), (RUN, "E", 7, 2_000_000)]
+    text = "{\n\"traceEvents\": [\n" + "\n".join(EVENT.format(*e) for e in events)
+    (row,) = first_call_probe.split(text)
+    assert abs(row["wall_s"] - 2.0) < 1e-9 and abs(row["segmenting_s"] - 1.0) < 1e-9
+
+
 def test_every_probe_schedule_file_loads_and_fits_its_block():
     """tools/schedules/*.json, named by the GPU suite's steps: a file that
     does not load would cost a device call to find out."""
