@@ -1,7 +1,8 @@
 """What a cold process's first linear waits for (issue 29: the block's first
 linear took 1.4-2.0 s of a first call, runs 46-49, with nothing compiled).
 
-Each case in a fresh process, the GPU synchronized after each step; JSON on stdout:
+Each case in a fresh process, the GPU synchronized after each step; a JSON line
+each on stdout, then one of the run's environment (date, GPU, versions, commit):
   torch       F.linear: 16x16 first, then nanogpt's c_attn shape (bf16, with bias) twice
   big-first   the c_attn shape first, then 16x16
   thread      a thread's 16x16 linear, 3 s of sleep, then the c_attn shape
@@ -115,6 +116,9 @@ def main() -> int:
                               env=env)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         print(lines[-1] if lines else json.dumps({"case": case, "error": done.stderr.strip()[-400:]}), flush=True)
+    # last: importing nvFuser here first would warm the children's imports
+    from tpfuser.verify.meshes import environment
+    print(json.dumps({"environment": environment("python3 " + " ".join(sys.argv))}), flush=True)
     return 0
 
 
