@@ -23,8 +23,8 @@ Forms (default: all):
           replicated on the mesh (in case iota's tensors, which no input
           reaches, have no mesh for the multi-device passes).
 Each form is bounded by FORM_S seconds (env ONE_HEAD_FORM_S, default 120): a
-rank still in it then prints its stacks and exits 1, so that a rank left waiting
-on a collective its peer never reached cannot hold torchrun (and the test) up.
+rank still in it then prints its stacks and exits 1. The bound covers a form
+only: start-up and exit are not bounded.
 """
 from __future__ import annotations
 
