@@ -20,7 +20,7 @@ def _row_parallel_on_two_ranks(tmp_path, connections: str | None) -> dict:
     out = tmp_path / "race.json"
     done = run_on_ranks("overlap_check.py", ["--only", "row", "--chunks", "1", "4", "--json", str(out)], env=env,
                         shim=True)
-    assert out.exists(), done.stderr[-2000:]
+    assert out.exists(), done.tail()
     rows = json.loads(out.read_text())["rows"]
     return {r["chunks"]: r for r in rows}
 

@@ -34,3 +34,17 @@ def test_the_oracle_reads_and_writes_the_rows_head_by_head():
         assert torch.allclose(out[:, j], (q @ k.transpose(1, 2)) @ v)
         for i, c in enumerate(cols):
             assert torch.equal(g_qkv[:, :, c], grads[i][:, j])
+
+
+def test_a_form_is_bounded_by_the_launchers_time_when_it_comes_first(monkeypatch):
+    """Under a launcher's bound (launch.STACKS_AT_VAR) a form ends before the
+    launcher ends the rank, so that the rank prints where it was itself."""
+    import time
+
+    from tpfuser.dist.launch import STACKS_AT_VAR
+    monkeypatch.delenv(STACKS_AT_VAR, raising=False)
+    assert repro_one_head._form_bound_s() == repro_one_head.FORM_S
+    monkeypatch.setenv(STACKS_AT_VAR, f"{time.time() + 30:.1f}")
+    assert 28 < repro_one_head._form_bound_s() <= 30.1 < repro_one_head.FORM_S   # the time is written to 0.1 s
+    monkeypatch.setenv(STACKS_AT_VAR, f"{time.time() - 5:.1f}")   # past: a second, not none
+    assert repro_one_head._form_bound_s() == 1.0

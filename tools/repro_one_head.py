@@ -22,15 +22,19 @@ Forms (default: all):
   onehot_in  onehot with the one-hots the rows of an input, the identity [3, 3]
           replicated on the mesh (in case iota's tensors, which no input
           reaches, have no mesh for the multi-device passes).
-Each form is bounded by FORM_S seconds (env ONE_HEAD_FORM_S, default 120): a
-rank still in it then prints its stacks and exits 1. The bound covers a form
-only: start-up and exit are not bounded.
+Each form is bounded by FORM_S seconds (env ONE_HEAD_FORM_S, default 120), or
+less where the launcher's bound comes first (launch.STACKS_AT_VAR): a rank still
+in it then prints its stacks and exits 1. Outside the forms (start-up, exit) a
+rank prints its stacks at the launcher's time (launch.arm_stack_dumps), and
+`kill -USR1` prints them at any time. Each stage is a line on stderr, with the
+seconds since the rank started.
 """
 from __future__ import annotations
 
 import faulthandler
 import os
 import sys
+import time
 
 import torch
 from nvfuser_direct import DataType, FusionDefinition, ParallelType
@@ -38,6 +42,20 @@ from nvfuser_direct import DataType, FusionDefinition, ParallelType
 FORMS = ("select", "onehot", "onehot_in", "slice")   # the one expected to fail last
 B, S, D = 2, 8, 8
 FORM_S = float(os.environ.get("ONE_HEAD_FORM_S", "120"))
+START = time.monotonic()
+
+
+def _stage(what: str) -> None:
+    print(f"[rank {os.environ.get('RANK', '?')} +{time.monotonic() - START:.1f} s] {what}", file=sys.stderr, flush=True)
+
+
+def _form_bound_s() -> float:
+    """FORM_S, or the time left before the launcher wants the stacks, if sooner."""
+    from tpfuser.dist.launch import STACKS_AT_VAR
+    try:
+        return min(FORM_S, max(1.0, float(os.environ[STACKS_AT_VAR]) - time.time()))
+    except (KeyError, ValueError):
+        return FORM_S
 
 
 def _one_hot(fd, i: int, eye=None):
@@ -106,21 +124,28 @@ def expected(qkv, grads, heads):
 def main(argv: list[str]) -> int:
     import nvfuser_direct as nvf
 
+    from tpfuser.dist.launch import arm_stack_dumps
     from tpfuser.verify.commlog import error_message
+    arm_stack_dumps()
     heads, forms = int(argv[0]), argv[1:] or list(FORMS)
+    _stage("imports done; starting nvFuser's communicator")
     comm = nvf.multidevice.Communicator.instance()
     tp, rank = comm.size(), comm.rank()
+    _stage(f"communicator up: rank {rank} of {tp}")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     mesh = nvf.multidevice.DeviceMesh(torch.arange(tp))
     torch.manual_seed(0)
     qkv = torch.randn(B, S, heads * 3 * D, device="cuda")
     grads = [torch.randn(B, heads, S, D, device="cuda") for _ in range(3)]
     want_out, want_g = expected(qkv, grads, heads)
+    _stage("inputs and torch's answer made")
     for form in forms:
-        faulthandler.dump_traceback_later(FORM_S, exit=True)   # a hung form ends the rank (exit 1)
+        faulthandler.dump_traceback_later(_form_bound_s(), exit=True)   # a hung form ends the rank (exit 1)
         try:
+            _stage(f"{form}: defining")
             with FusionDefinition() as fd:
                 define(fd, heads, tp, form, mesh)
+            _stage(f"{form}: executing")
             inputs = [qkv.chunk(tp, 2)[rank].contiguous(), *(g.chunk(tp, 1)[rank].contiguous() for g in grads)]
             out, g_qkv = fd.execute(inputs + ([torch.eye(3, device="cuda")] if form == "onehot_in" else []))
             err = max((out - want_out.chunk(tp, 1)[rank]).abs().max().item(),
@@ -130,6 +155,8 @@ def main(argv: list[str]) -> int:
             message = error_message(e, limit=1500).replace("\n", " | ")
             print(f"rank {rank}: {form:9} heads {heads} tp {tp}: FAILED: {message}", flush=True)
         faulthandler.cancel_dump_traceback_later()
+        arm_stack_dumps()   # the launcher's time again, for what follows
+    _stage("every form done; exiting")
     sys.stdout.flush()
     os._exit(0)   # nvFuser's communicator at interpreter exit is not needed here
 

@@ -237,13 +237,15 @@ def run_bounded(cmd: list[str], env: dict[str, str], timeout_s: float, grace_s: 
 
 
 def run_bounded_all(cmds: list[list[str]], env: dict[str, str], timeout_s: float, grace_s: float | None = None,
-                    stdouts: list | None = None, labels: list[str] | None = None) -> list[int | None]:
+                    stdouts: list | None = None, labels: list[str] | None = None,
+                    merge_stderr: bool = False) -> list[int | None]:
     """run_bounded for several commands at once (side by side, one bound for
     all): each one's exit status, None for those still running at the bound
     (ended together, with everything they started); a signal to this process
     ends them all. stdouts: a file for each command's standard output (default:
     ours). labels: what each is, for a process that is no rank (procs.LABEL_VAR):
-    it then prints its stacks before the bound, and is named past it."""
+    it then prints its stacks before the bound, and is named past it.
+    merge_stderr: each command's standard error goes where its output goes."""
     grace_s = GRACE_S if grace_s is None else grace_s
     env = {**env, STACKS_AT_VAR: f"{time.time() + stacks_due_s(timeout_s):.1f}"}
     previous = {}
@@ -253,7 +255,8 @@ def run_bounded_all(cmds: list[list[str]], env: dict[str, str], timeout_s: float
     try:
         for i, cmd in enumerate(cmds):
             own = {**env, procs.LABEL_VAR: labels[i]} if labels else env
-            _start(started, cmd, env=own, start_new_session=True, stdout=stdouts[i] if stdouts else None)
+            _start(started, cmd, env=own, start_new_session=True, stdout=stdouts[i] if stdouts else None,
+                   stderr=subprocess.STDOUT if merge_stderr else None)
         deadline = time.monotonic() + timeout_s
         while any(proc.poll() is None for proc in started) and time.monotonic() < deadline:
             time.sleep(0.05)
