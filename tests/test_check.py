@@ -369,3 +369,24 @@ def test_a_second_call_must_equal_the_first_except_where_nothing_was_written(mon
     report = check_module.check(case, device=torch.device("cpu"))
     assert report.repeats["training forward"] is repeats
     assert report.repeats["forward"] and report.repeats["backward"]
+
+
+@pytest.mark.parametrize("workspace", [None, ":16:8"])
+def test_the_repeat_checks_backward_runs_torchs_deterministic_kernels_then_restores(monkeypatch, workspace):
+    """Deterministic algorithms on and not warn-only inside (warn-only, ATen's
+    flash attention backward keeps its atomics), cuBLAS's workspace setting
+    one torch accepts; torch's flags and the environment as they were after."""
+    import os
+
+    from tpfuser.verify.check import CUBLAS_WORKSPACE_VAR, deterministic_attention
+    if workspace is None:
+        monkeypatch.delenv(CUBLAS_WORKSPACE_VAR, raising=False)
+    else:
+        monkeypatch.setenv(CUBLAS_WORKSPACE_VAR, workspace)
+    torch.use_deterministic_algorithms(False)
+    with deterministic_attention():
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ[CUBLAS_WORKSPACE_VAR] in (":4096:8", ":16:8")
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert os.environ.get(CUBLAS_WORKSPACE_VAR) == workspace

@@ -9,6 +9,7 @@ own error on it where that exceeds the fixed one (tolerance()).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
@@ -196,18 +197,30 @@ def check(case: Case, rank: int = 0, backward: bool = True, dp_group=None, recor
     return report
 
 
+CUBLAS_WORKSPACE_VAR = "CUBLAS_WORKSPACE_CONFIG"
+
+
 @contextmanager
 def deterministic_attention():
     """Around a backward whose second call must equal its first: ATen's flash
     attention backward sums its query gradient with atomics unless torch's
-    deterministic algorithms are on (then its deterministic kernel). Warn-only:
-    nothing else the block runs is refused for it."""
+    deterministic algorithms are on and not warn-only (warn-only, it warns and
+    keeps the atomics: attention_backward.cu; gpt3's second call differed so).
+    On, torch refuses a cuBLAS call unless CUBLAS_WORKSPACE_CONFIG is one of
+    its deterministic settings: set for the while when unset (the block's
+    GEMMs each run on one stream, where cuBLAS gives the same bits anyway).
+    Any other op without a deterministic kernel then raises: none is passed."""
     saved = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    workspace = os.environ.get(CUBLAS_WORKSPACE_VAR)
+    if workspace is None:
+        os.environ[CUBLAS_WORKSPACE_VAR] = ":4096:8"
+    torch.use_deterministic_algorithms(True)
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        if workspace is None:
+            os.environ.pop(CUBLAS_WORKSPACE_VAR, None)
 
 
 def compare_with_plan(posted: dict[str, list[dict]], cfg: BlockConfig, layout: Layout, rank: int,
