@@ -1,7 +1,6 @@
 """The GPU tests' launcher (tests/ranks_on_one_gpu.py), on the CPU: torchrun
 starts the ranks (no CUDA needed until a rank asks for it)."""
 import os
-import sys
 import time
 
 from tests.ranks_on_one_gpu import run_on_ranks

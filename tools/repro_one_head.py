@@ -51,11 +51,9 @@ def _stage(what: str) -> None:
 
 def _form_bound_s() -> float:
     """FORM_S, or the time left before the launcher wants the stacks, if sooner."""
-    from tpfuser.dist.launch import STACKS_AT_VAR
-    try:
-        return min(FORM_S, max(1.0, float(os.environ[STACKS_AT_VAR]) - time.time()))
-    except (KeyError, ValueError):
-        return FORM_S
+    from tpfuser.dist.launch import stacks_due_in_s
+    left = stacks_due_in_s()
+    return FORM_S if left is None else min(FORM_S, left)
 
 
 def _one_hot(fd, i: int, eye=None):

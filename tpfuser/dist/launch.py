@@ -67,12 +67,18 @@ def arm_stack_dumps() -> None:
         except (AttributeError, OSError, ValueError):   # no stderr to write to: nothing to arm
             return
     faulthandler.register(signal.SIGUSR1, file=_STACKS_FD, all_threads=True)
+    left = stacks_due_in_s() if "RANK" in os.environ or procs.LABEL_VAR in os.environ else None
+    if left is not None:
+        faulthandler.dump_traceback_later(left, file=_STACKS_FD, exit=False)
+
+
+def stacks_due_in_s() -> float | None:
+    """Seconds (at least 1) until run_bounded wants this process's stacks
+    (STACKS_AT_VAR), or None outside a run of its (the variable is ours, set there)."""
     try:
-        at = float(os.environ[STACKS_AT_VAR]) if "RANK" in os.environ or procs.LABEL_VAR in os.environ else None
-    except (KeyError, ValueError):   # not a rank of run_bounded's (the variable is ours, set there)
-        at = None
-    if at is not None:
-        faulthandler.dump_traceback_later(max(1.0, at - time.time()), file=_STACKS_FD, exit=False)
+        return max(1.0, float(os.environ[STACKS_AT_VAR]) - time.time())
+    except (KeyError, ValueError):
+        return None
 
 
 def torchrun_command(layout: Layout, argv: list[str], environ: dict[str, str],
