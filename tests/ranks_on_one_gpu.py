@@ -7,6 +7,7 @@ process is ended, none left on the GPU)."""
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 
@@ -18,9 +19,14 @@ class Done:
     returncode: int | None   # None: still running at the bound, then ended
     output: str              # every rank's standard output and error, and torchrun's
 
+    def story(self) -> list[str]:
+        """The ranks' own lines: their stages ("[rank N +t s] ...") and results ("rank N: ...")."""
+        return [line for line in self.output.splitlines() if re.match(r"\[?rank \d+[ :]", line)]
+
     def tail(self, chars: int = 2000) -> str:
         said = "ran past its bound and was ended; " if self.returncode is None else f"exit {self.returncode}; "
-        return said + "output's end:\n" + self.output[-chars:]
+        return (said + "the ranks' lines:\n" + "\n".join(self.story()[-40:])
+                + "\noutput's end:\n" + (self.output[-chars:] if chars else ""))
 
 
 def run_on_ranks(script: str, args: list[str], ranks: int = 2, env: dict | None = None, shim: bool = False,

@@ -21,7 +21,7 @@ def _rank0(done) -> str:
 def test_one_head_per_rank_still_fails_in_this_nvfuser(record):
     done = run_on_ranks("repro_one_head.py", ["2", "slice"], timeout_s=150)
     line = _rank0(done)
-    record(one_head=line[:400], returncode=done.returncode)
+    record(one_head=line[:400], returncode=done.returncode, stages=done.story()[-20:])
     assert "FAILED" in line and "stride" in line, (
         f"nvFuser now runs one head per rank ({line[:200]}): lift schedules.known_failure's refusal")
     assert done.returncode == 0, done.tail()

@@ -154,7 +154,11 @@ def main(argv: list[str]) -> int:
             print(f"rank {rank}: {form:9} heads {heads} tp {tp}: FAILED: {message}", flush=True)
         faulthandler.cancel_dump_traceback_later()
         arm_stack_dumps()   # the launcher's time again, for what follows
-    _stage("every form done; exiting")
+    # Rank 0 serves nvFuser's store, and a form may need no collective: leaving
+    # unbarriered, it could end before another rank had reached the store.
+    _stage("every form done; waiting for every rank")
+    comm.barrier()
+    _stage("every rank done; exiting")
     sys.stdout.flush()
     os._exit(0)   # nvFuser's communicator at interpreter exit is not needed here
 
