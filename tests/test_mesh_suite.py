@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, "tools")
 import mesh_suite  # noqa: E402
 
@@ -131,3 +133,9 @@ def test_collectives_are_judged_by_the_plan_of_the_schedule_the_rank_ran():
     assert mesh_suite.passed(rank)
     rank["schedule"] = "megatron-sp-overlap"
     assert not mesh_suite.passed(rank)
+
+
+def test_a_job_name_is_checked_before_the_gpu_is_asked_for(tmp_path):
+    with pytest.raises(SystemExit, match="'tiny_9x9': neither a group"):
+        mesh_suite.main(str(tmp_path / "out"), ["tiny_9x9"])
+    assert not (tmp_path / "out").exists()

@@ -66,9 +66,11 @@ def pick_jobs(groups: list[str]) -> list[tuple]:
 
 def main(out: str, groups: list[str]) -> int:
     import torch
+    todo = pick_jobs(groups)
+    if not torch.cuda.is_available():
+        raise SystemExit("mesh_suite: the ranks run on a GPU, and torch sees none")
     os.makedirs(out, exist_ok=True)
     free = torch.cuda.mem_get_info(0)[0] * 0.9
-    todo = pick_jobs(groups)
     running, done = [], {}
     start = time.time()
     while todo or running:
@@ -236,6 +238,9 @@ def markdown_table(folders: list[str]) -> str:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] in ([], ["-h"], ["--help"]):
+        print(__doc__)
+        sys.exit(0 if sys.argv[1:] else 2)
     if sys.argv[1:2] == ["--table"]:
         print(markdown_table(sys.argv[2:]))
         sys.exit(0)
