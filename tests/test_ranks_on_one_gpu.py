@@ -38,7 +38,7 @@ def test_ranks_past_the_bound_are_ended_and_what_they_said_is_kept(tmp_path):
     assert done.returncode is None and time.monotonic() - started < 60, done.tail()
     assert "rank 0: waiting" in done.output and "rank 1: waiting" in done.output, done.tail()
     story = done.tail(chars=0)   # the ranks' lines, however long torchrun's own trace at the end
-    assert all(f"{said}" in story for said in ("rank 0: waiting", "[rank 0 +0.0 s] sleeping", "[rank 1 +0.0 s] sleeping"))
+    assert all(said in story for said in ("rank 0: waiting", "[rank 0 +0.0 s] sleeping", "[rank 1 +0.0 s] sleeping"))
     for rank in "01":
         pid = int((tmp_path / f"pid{rank}").read_text())
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid
