@@ -209,7 +209,8 @@ def deterministic_attention():
     On, torch refuses a cuBLAS call unless CUBLAS_WORKSPACE_CONFIG is one of
     its deterministic settings: set for the while when unset (the block's
     GEMMs each run on one stream, where cuBLAS gives the same bits anyway).
-    Any other op without a deterministic kernel then raises: none is passed."""
+    Any other op without a deterministic kernel then raises instead of
+    differing silently."""
     saved = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     workspace = os.environ.get(CUBLAS_WORKSPACE_VAR)
     if workspace is None:
