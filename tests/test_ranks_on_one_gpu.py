@@ -5,17 +5,19 @@ import time
 
 from tests.ranks_on_one_gpu import run_on_ranks
 
+# Each line in one write: the ranks share one log, and under PYTHONUNBUFFERED
+# print writes a line's newline apart, and lines ran together ("store port 43727rank 1: on stderr").
 SAYS_ITS_PORT = """
 import os, sys
-print(f"rank {os.environ['RANK']}: store port {os.environ['NVFUSER_MASTER_PORT']}", flush=True)
-print(f"rank {os.environ['RANK']}: on stderr", file=sys.stderr, flush=True)
+sys.stdout.write(f"rank {os.environ['RANK']}: store port {os.environ['NVFUSER_MASTER_PORT']}\\n"); sys.stdout.flush()
+sys.stderr.write(f"rank {os.environ['RANK']}: on stderr\\n"); sys.stderr.flush()
 """
 
 STAYS = """
 import os, sys, time
 open(sys.argv[1] + os.environ['RANK'], 'w').write(str(os.getpid()))
-print(f"rank {os.environ['RANK']}: waiting", flush=True)
-print(f"[rank {os.environ['RANK']} +0.0 s] sleeping", file=sys.stderr, flush=True)
+sys.stdout.write(f"rank {os.environ['RANK']}: waiting\\n"); sys.stdout.flush()
+sys.stderr.write(f"[rank {os.environ['RANK']} +0.0 s] sleeping\\n"); sys.stderr.flush()
 time.sleep(600)
 """
 

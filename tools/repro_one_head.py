@@ -45,8 +45,17 @@ FORM_S = float(os.environ.get("ONE_HEAD_FORM_S", "120"))
 START = time.monotonic()
 
 
+def _line(text: str, file=None) -> None:
+    """text and its newline in one write: the ranks share one log, and under
+    PYTHONUNBUFFERED print writes the two apart, so another rank's line can
+    fall between them."""
+    file = file or sys.stdout
+    file.write(text + "\n")
+    file.flush()
+
+
 def _stage(what: str) -> None:
-    print(f"[rank {os.environ.get('RANK', '?')} +{time.monotonic() - START:.1f} s] {what}", file=sys.stderr, flush=True)
+    _line(f"[rank {os.environ.get('RANK', '?')} +{time.monotonic() - START:.1f} s] {what}", sys.stderr)
 
 
 def _form_bound_s() -> float:
@@ -148,10 +157,10 @@ def main(argv: list[str]) -> int:
             out, g_qkv = fd.execute(inputs + ([torch.eye(3, device="cuda")] if form == "onehot_in" else []))
             err = max((out - want_out.chunk(tp, 1)[rank]).abs().max().item(),
                       (g_qkv - want_g.chunk(tp, 2)[rank]).abs().max().item())
-            print(f"rank {rank}: {form:9} heads {heads} tp {tp}: ran, max error {err:.1e}", flush=True)
+            _line(f"rank {rank}: {form:9} heads {heads} tp {tp}: ran, max error {err:.1e}")
         except Exception as e:   # the whole message, backtraces dropped: nested segment errors name their input
             message = error_message(e, limit=1500).replace("\n", " | ")
-            print(f"rank {rank}: {form:9} heads {heads} tp {tp}: FAILED: {message}", flush=True)
+            _line(f"rank {rank}: {form:9} heads {heads} tp {tp}: FAILED: {message}")
         faulthandler.cancel_dump_traceback_later()
         arm_stack_dumps()   # the launcher's time again, for what follows
     # Rank 0 serves nvFuser's store, and a form may need no collective: leaving
