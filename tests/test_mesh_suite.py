@@ -28,6 +28,18 @@ def test_the_slowest_rank_per_phase():
     assert case["seconds"] == {"reference": 4.0, "forward": 30.0}
 
 
+def test_the_ranks_peaks_summed_beside_the_estimate():
+    report = _report("tiny_2x2")
+    assert mesh_suite.summarize(report)["cases"]["fp32"]["peak_gib"] is None   # reports from before the key
+    for case in report["cases"]:
+        for r in case["ranks"]:
+            r["peak_gib"] = 1.5 + r["rank"]
+    summary = mesh_suite.summarize(report)
+    assert summary["cases"]["fp32"]["peak_gib"] == 12.0   # 1.5 + 2.5 + 3.5 + 4.5
+    table = mesh_suite.format_summary({"tiny_2x2": {**summary, "seconds": 40, "estimate_gib": 4.0}})
+    assert "GiB est/peak" in table and "  4.0/12.0" in table
+
+
 def test_verdicts_are_recomputed_from_the_figures():
     # written under the old 5x wrong-stream rule (tiny: 3.1-4.1x), passing under today's 2x
     tiny = _report("tiny_2x2")

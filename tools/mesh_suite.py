@@ -106,7 +106,8 @@ def main(out: str, groups: list[str]) -> int:
             log.close()
             running.remove(entry)
             tag = job_name(*job[:4])
-            done[tag] = {"rc": proc.returncode, "seconds": round(time.time() - t0, 1)}
+            done[tag] = {"rc": proc.returncode, "seconds": round(time.time() - t0, 1),
+                         "estimate_gib": round(entry[2] / 2**30, 1)}
             print(f"[{time.time() - start:5.0f} s] {tag}: exit {proc.returncode} after {done[tag]['seconds']} s",
                   flush=True)
     summary = {}
@@ -186,6 +187,9 @@ def summarize(report: dict) -> dict:
                                  if fine else None,
             "errors": sorted({r["error"][:200] for r in ranks if "error" in r}),
             "seconds": seconds,
+            # the ranks' allocator peaks summed (check.RankReport.peak_gib): at most what they held at once
+            "peak_gib": round(sum(r["peak_gib"] for r in fine), 1) if fine and all(
+                r.get("peak_gib") is not None for r in fine) else None,
         }
     return out
 
@@ -195,7 +199,8 @@ def yes_no(flag, yes: str) -> str:
 
 
 def format_summary(summary: dict) -> str:
-    lines = [f"{'job':18} {'dtype':5} {'ranks ok':>8} {'out err':>8} {'grad err':>8} {'masks':>6} {'colls':>5} {'s':>5}"]
+    lines = [f"{'job':18} {'dtype':5} {'ranks ok':>8} {'out err':>8} {'grad err':>8} {'masks':>6} {'colls':>5} {'s':>5} "
+             f"{'GiB est/peak':>12}"]
     for tag, s in sorted(summary.items()):
         if "cases" not in s:
             lines.append(f"{tag:18} exit {s['rc']}: {s.get('error')}")
@@ -207,7 +212,8 @@ def format_summary(summary: dict) -> str:
                 return "-" if x is None else f"{x:.1e}"
             lines.append(f"{tag:18} {dtype:5} {c['ranks_ok']:>3}/{c['ranks']:<4} {f(c['worst_out']):>8} "
                          f"{f(c['worst_grad']):>8} {yes_no(c['masks_equal'], 'equal'):>6} "
-                         f"{yes_no(c['collectives_match'], 'plan'):>5} {s['seconds']:5.0f}"
+                         f"{yes_no(c['collectives_match'], 'plan'):>5} {s['seconds']:5.0f} "
+                         f"{s.get('estimate_gib', '-'):>5}/{'-' if c.get('peak_gib') is None else c['peak_gib']:<6}"
                          + (f"  {c['errors'][0][:120]}" if c["errors"] else ""))
     return "\n".join(lines)
 

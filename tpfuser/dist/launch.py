@@ -314,11 +314,11 @@ RANK_CONTEXT_BYTES = 1 << 30
 
 
 def shared_gpu_bytes(cfg, layout: Layout) -> int:
-    """GPU memory a --share-gpu check of cfg on this mesh needs, all ranks on one
-    GPU (an estimate): every rank's CUDA context and communicators, its weights,
-    gradients and saved activations a few times over, and rank 0's float32
-    reference of the whole block (weights, gradients, activations; in bf16 also
-    its eager bf16 run)."""
+    """GPU memory a --share-gpu check of cfg on this mesh needs, all ranks on one GPU
+    (an estimate): the larger of two phases (oracle.expectations frees the first
+    before the second), rank 0's float32 reference of the whole block (weights,
+    gradients, activations; in bf16 its eager bf16 run too) beside every rank's
+    CUDA context, then every rank's weights, gradients and saved activations."""
     shapes = param_shapes(cfg)
     total = sum(math.prod(s) for s in shapes.values())
     local = sum(math.prod(local_shape(s, PARAM_PLACEMENTS[n], layout)) for n, s in shapes.items())
@@ -329,7 +329,7 @@ def shared_gpu_bytes(cfg, layout: Layout) -> int:
         oracle += 4 * cfg.batch * cfg.n_head * cfg.seq * cfg.seq * 6
     else:
         oracle += eager_peer_bytes(cfg)
-    return layout.world_size * per_rank + oracle
+    return max(layout.world_size * RANK_CONTEXT_BYTES + oracle, layout.world_size * per_rank)
 
 
 def eager_peer_bytes(cfg) -> int:

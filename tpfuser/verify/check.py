@@ -77,6 +77,7 @@ class RankReport:
     seconds: dict = field(default_factory=dict)   # wall time per phase, a fusion's first call (its compile) included
     schedule: str = ""
     repeats: dict | None = None   # {what: bool}: a second call equal to the first, bit for bit
+    peak_gib: float | None = None   # the most GPU memory torch's caching allocator held in this rank's check
 
     @property
     def ok(self) -> bool:
@@ -126,6 +127,8 @@ def check(case: Case, rank: int = 0, backward: bool = True, dp_group=None, recor
     cfg, layout = case.cfg, case.layout
     schedule = default_schedule(layout) if schedule is None else load_schedule(schedule)
     device = device or torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     clock = [time.perf_counter()]
 
     def lap(phase: str) -> None:   # the seconds since the last lap, once the GPU is done
@@ -194,6 +197,8 @@ def check(case: Case, rank: int = 0, backward: bool = True, dp_group=None, recor
         lap("graphs")
     if record_collectives:
         report.collectives = compare_with_plan(posted, cfg, layout, rank, schedule)
+    if device.type == "cuda":
+        report.peak_gib = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
     return report
 
 

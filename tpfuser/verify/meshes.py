@@ -98,6 +98,8 @@ def run_checks(cfgs: list[BlockConfig], layout: Layout, args) -> int:
               "cases": [], "ok": False}
     for cfg in cfgs:
         mine = _check_case(cfg, layout, rank, args, group)
+        if torch.cuda.is_available():   # this case's blocks back to the GPU before rank 0's next reference
+            torch.cuda.empty_cache()
         ranks = [mine]
         if layout.world_size > 1:
             ranks = [None] * layout.world_size
