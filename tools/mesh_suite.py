@@ -187,11 +187,18 @@ def summarize(report: dict) -> dict:
                                  if fine else None,
             "errors": sorted({r["error"][:200] for r in ranks if "error" in r}),
             "seconds": seconds,
-            # the ranks' allocator peaks summed (check.RankReport.peak_gib): at most what they held at once
-            "peak_gib": round(sum(r["peak_gib"] for r in fine), 1) if fine and all(
-                r.get("peak_gib") is not None for r in fine) else None,
+            "peak_gib": phase_peak(fine),
         }
     return out
+
+
+def phase_peak(ranks: list[dict]) -> float | None:
+    """The ranks' allocator peaks (check.RankReport.peak_gib) summed per phase, the larger
+    phase's: what launch.shared_gpu_bytes estimates, less the ranks' CUDA contexts.
+    None for reports without per-phase peaks."""
+    if not ranks or not all(isinstance(r.get("peak_gib"), dict) for r in ranks):
+        return None
+    return round(max(sum(r["peak_gib"][phase] for r in ranks) for phase in ("reference", "block")), 1)
 
 
 def yes_no(flag, yes: str) -> str:

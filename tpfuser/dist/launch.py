@@ -25,9 +25,8 @@ from tpfuser.dist.sharegpu import SHARED_GPU_MARK, SHIM_VARIABLE, build_default_
 from tpfuser.dist.world import SINGLE_PROCESS_MARK, free_port
 from tpfuser.parallel.placements import PARAM_PLACEMENTS, local_shape, saved_bytes_per_rank
 
-# Deferred: tpfuser.runtime.chunked (relaunch, for a chunked schedule's
-# CONNECTIONS_VAR), a layer above this one that imports nvFuser, which the
-# launcher process (`check`, `bench` over ranks) runs none of.
+# Deferred: tpfuser.runtime.chunked (relaunch, for a chunked schedule's CONNECTIONS_VAR), a layer above
+# this one that imports nvFuser, which the launcher process (`check`, `bench` over ranks) runs none of.
 
 # A rank that dies leaves the others waiting in a collective; NCCL's watchdog
 # and torchrun bound that. This is the bound we ask of the whole run, read
@@ -73,8 +72,7 @@ def arm_stack_dumps() -> None:
 
 
 def stacks_due_in_s() -> float | None:
-    """Seconds (at least 1) until run_bounded wants this process's stacks
-    (STACKS_AT_VAR), or None outside a run of its (the variable is ours, set there)."""
+    """Seconds (at least 1) until run_bounded wants this process's stacks (STACKS_AT_VAR, ours), or None."""
     try:
         return max(1.0, float(os.environ[STACKS_AT_VAR]) - time.time())
     except (KeyError, ValueError):
@@ -84,9 +82,8 @@ def stacks_due_in_s() -> float | None:
 def torchrun_command(layout: Layout, argv: list[str], environ: dict[str, str],
                      shared_gpus: int = 0) -> tuple[list[str], dict[str, str]]:
     """The command and environment that re-run `tpfuser argv` under torchrun on this node.
-    The world of one this process may have described (world.py) is dropped.
-    nvFuser's store gets a port free now (not torchrun's port + 1, which a
-    concurrent run's torchrun may hold).
+    The world of one this process may have described (world.py) is dropped. nvFuser's store gets a
+    port free now (not torchrun's port + 1, which a concurrent run's torchrun may hold).
     shared_gpus > 0: the ranks share that many GPUs (tpfuser.dist.sharegpu sets each rank up)."""
     env = {k: v for k, v in environ.items()
            if k not in (SINGLE_PROCESS_MARK, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -102,8 +99,7 @@ def torchrun_command(layout: Layout, argv: list[str], environ: dict[str, str],
 
 
 def run_timeout_s() -> float:
-    """The bound on a multi-rank run, in seconds: TPFUSER_TIMEOUT_S, read when a
-    run starts, or 600."""
+    """The bound on a multi-rank run in seconds: TPFUSER_TIMEOUT_S when a run starts, or 600."""
     text = os.environ.get(TIMEOUT_VAR)
     if text is None:
         return DEFAULT_TIMEOUT_S
@@ -313,30 +309,34 @@ def relaunch(layout: Layout, argv: list[str] | None = None, share_gpu: bool = Fa
 RANK_CONTEXT_BYTES = 1 << 30
 
 
-def shared_gpu_bytes(cfg, layout: Layout) -> int:
+def shared_gpu_phases(cfg, layout: Layout) -> dict[str, int]:
     """GPU memory a --share-gpu check of cfg on this mesh needs, all ranks on one GPU
-    (an estimate): the larger of two phases (oracle.expectations frees the first
-    before the second), rank 0's float32 reference of the whole block (weights,
-    gradients, activations; in bf16 its eager bf16 run too) beside every rank's
-    CUDA context, then every rank's weights, gradients and saved activations."""
+    (an estimate), in each of its phases (oracle.expectations frees the first
+    before the second): "reference", rank 0's float32 run of the whole block
+    (weights, gradients, activations; in bf16 its eager bf16 run too) beside every
+    rank's CUDA context; "block", every rank's shards, gradients, expected slices,
+    float64 copies of its largest gradient pair and saved activations (ten times
+    over: fitted to run 58's allocator peaks, gpt3 1x8 7.3 GiB a rank, 1x8 SP 5.7)."""
     shapes = param_shapes(cfg)
     total = sum(math.prod(s) for s in shapes.values())
-    local = sum(math.prod(local_shape(s, PARAM_PLACEMENTS[n], layout)) for n, s in shapes.items())
-    rows = cfg.batch * cfg.seq
-    per_rank = RANK_CONTEXT_BYTES + local * (3 * cfg.torch_dtype.itemsize + 8) + 3 * saved_bytes_per_rank(cfg, layout)
-    oracle = 16 * total + 4 * rows * cfg.n_embd * 40
+    locals_ = [math.prod(local_shape(s, PARAM_PLACEMENTS[n], layout)) for n, s in shapes.items()]
+    per_rank = (RANK_CONTEXT_BYTES + sum(locals_) * (3 * cfg.torch_dtype.itemsize + 8) + 24 * max(locals_)
+                + 10 * saved_bytes_per_rank(cfg, layout))
+    oracle = 16 * total + 4 * cfg.batch * cfg.seq * cfg.n_embd * 40
     if cfg.dtype == "fp32":   # the written-out attention's [b, h, s, s] probabilities, a few of them
         oracle += 4 * cfg.batch * cfg.n_head * cfg.seq * cfg.seq * 6
     else:
         oracle += eager_peer_bytes(cfg)
-    return max(layout.world_size * RANK_CONTEXT_BYTES + oracle, layout.world_size * per_rank)
+    return {"reference": layout.world_size * RANK_CONTEXT_BYTES + oracle, "block": layout.world_size * per_rank}
+
+
+def shared_gpu_bytes(cfg, layout: Layout) -> int:
+    return max(shared_gpu_phases(cfg, layout).values())   # the larger phase: what the GPU must hold
 
 
 def eager_peer_bytes(cfg) -> int:
-    """What rank 0's eager bf16 run beside the reference adds (check.eager_errors):
-    its weights and gradients in bf16, and while the largest gradient's error
-    is taken (check.rel_l2) three float64 tensors of its size: it, its
-    reference and their difference."""
+    """What rank 0's eager bf16 run beside the reference adds (check.eager_errors): its weights
+    and gradients in bf16, and three float64 tensors of its largest gradient's size (rel_l2)."""
     sizes = [math.prod(s) for s in param_shapes(cfg).values()]
     return 4 * sum(sizes) + 24 * max(sizes)
 

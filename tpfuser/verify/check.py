@@ -77,7 +77,7 @@ class RankReport:
     seconds: dict = field(default_factory=dict)   # wall time per phase, a fusion's first call (its compile) included
     schedule: str = ""
     repeats: dict | None = None   # {what: bool}: a second call equal to the first, bit for bit
-    peak_gib: float | None = None   # the most GPU memory torch's caching allocator held in this rank's check
+    peak_gib: dict | None = None   # {phase: GiB}: the most torch's allocator held, in the reference, then the block
 
     @property
     def ok(self) -> bool:
@@ -127,8 +127,7 @@ def check(case: Case, rank: int = 0, backward: bool = True, dp_group=None, recor
     cfg, layout = case.cfg, case.layout
     schedule = default_schedule(layout) if schedule is None else load_schedule(schedule)
     device = device or torch.device("cuda", torch.cuda.current_device())
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    _peak_gib(device)   # the count starts here
     clock = [time.perf_counter()]
 
     def lap(phase: str) -> None:   # the seconds since the last lap, once the GPU is done
@@ -144,6 +143,7 @@ def check(case: Case, rank: int = 0, backward: bool = True, dp_group=None, recor
     exp = expectations(case, rank, device, backward)
     eager = {name.removeprefix("eager."): float(t) for name, t in exp.items() if name.startswith("eager.")}
     lap("reference")
+    peak = {"reference": _peak_gib(device)}
     block = ShardedBlock(cfg, layout, rank, check=True, device=device, dp_group=dp_group, schedule=schedule)
     block.load_shards([exp[f"param.{n}"] for n in PARAM_NAMES])
     x, grad_out = exp["x"].to(cfg.torch_dtype), exp["grad_out"].to(cfg.torch_dtype)
@@ -198,8 +198,17 @@ def check(case: Case, rank: int = 0, backward: bool = True, dp_group=None, recor
     if record_collectives:
         report.collectives = compare_with_plan(posted, cfg, layout, rank, schedule)
     if device.type == "cuda":
-        report.peak_gib = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
+        report.peak_gib = {**peak, "block": _peak_gib(device)}
     return report
+
+
+def _peak_gib(device: torch.device) -> float | None:
+    """The most memory torch's allocator has held on device since the last call (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    peak = torch.cuda.max_memory_reserved(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return round(peak / 2**30, 2)
 
 
 CUBLAS_WORKSPACE_VAR = "CUBLAS_WORKSPACE_CONFIG"
