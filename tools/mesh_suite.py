@@ -193,12 +193,13 @@ def summarize(report: dict) -> dict:
 
 
 def phase_peak(ranks: list[dict]) -> float | None:
-    """The ranks' allocator peaks (check.RankReport.peak_gib) summed per phase, the larger
-    phase's: what launch.shared_gpu_bytes estimates, less the ranks' CUDA contexts.
-    None for reports without per-phase peaks."""
+    """What the ranks' allocators held at once at most (check.RankReport.peak_gib), the larger
+    phase's: what launch.shared_gpu_bytes estimates, less the ranks' CUDA contexts. The
+    reference is one rank's (the others wait at a barrier, then load their slices, which
+    their block's peak counts); the blocks run side by side. None without per-phase peaks."""
     if not ranks or not all(isinstance(r.get("peak_gib"), dict) for r in ranks):
         return None
-    return round(max(sum(r["peak_gib"][phase] for r in ranks) for phase in ("reference", "block")), 1)
+    return round(max(max(r["peak_gib"]["reference"] for r in ranks), sum(r["peak_gib"]["block"] for r in ranks)), 1)
 
 
 def yes_no(flag, yes: str) -> str:
