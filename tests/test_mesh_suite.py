@@ -28,7 +28,7 @@ def test_the_slowest_rank_per_phase():
     assert case["seconds"] == {"reference": 4.0, "forward": 30.0}
 
 
-def test_the_ranks_peaks_summed_per_phase_beside_the_estimate():
+def test_what_the_ranks_held_at_once_beside_the_estimate():
     report = _report("tiny_2x2")
     assert mesh_suite.summarize(report)["cases"]["fp32"]["peak_gib"] is None   # reports from before the key
     for case in report["cases"]:
