@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tpfuser.parallel.schedules import SCHEDULES
-from tpfuser.runtime.chunked import chunk_layout, chunked_piece
+from tpfuser.config import Layout, preset
+from tpfuser.runtime.chunked import chunk_layout, chunked_pieces, ring_input, ring_input_shape, ring_output
 
 TP, B, S, K, N = 2, 2, 16, 8, 6
 
@@ -68,15 +69,56 @@ def test_every_chunk_input_is_contiguous_down_to_one_position_a_chunk(pattern):
     assert all(parts(i).is_contiguous() for i in range(chunks))
 
 
+def _runs(name, layout):
+    """{(phase, cut point): (algorithm, the collective's kind, chunks)} the runtime runs beside a GEMM."""
+    return {key: (c.algorithm, c.kind, c.chunks)
+            for key, c in chunked_pieces(SCHEDULES[name], preset("gpt3"), layout).items()}
+
+
 def test_the_chunked_pieces_of_the_overlapped_schedules():
-    tp, sp = SCHEDULES["megatron-overlap"], SCHEDULES["megatron-sp-overlap"]
-    assert chunked_piece(tp, "forward", "attn.c_proj", sp=False) == ("attn.c_proj", "rows", "linear", 4, "fusions")
-    assert chunked_piece(tp, "forward", "attn.c_attn", sp=False) is None      # no collective in TP's forward
-    assert chunked_piece(tp, "backward", "grad:mlp.c_fc.in", sp=False) == ("mlp.c_fc", "rows", "matmul", 4, "fusions")
-    assert chunked_piece(sp, "train", "mlp.c_fc", sp=True)[1] == "gather"
-    assert chunked_piece(sp, "forward", "mlp.c_proj", sp=True)[1] == "scatter"
-    assert chunked_piece(sp, "backward", "grad:attn.c_attn.in", sp=True)[1] == "scatter"
-    assert chunked_piece(tp, "forward", "mlp.c_fc.out", sp=False) is None
-    streams = SCHEDULES["megatron-sp-overlap-streams"]
-    assert chunked_piece(streams, "forward", "attn.c_proj", sp=True) is None   # a reduce-scatter: nvFuser cannot
-    assert chunked_piece(SCHEDULES["megatron"], "forward", "attn.c_proj", sp=False) is None
+    tp, sp = Layout(1, 8), Layout(1, 8, sp=True)
+    assert _runs("megatron-overlap", tp) == {   # no collective in TP's forward column-parallel linears
+        ("forward", "attn.c_proj"): ("fusions", "allreduce", 4), ("forward", "mlp.c_proj"): ("fusions", "allreduce", 4),
+        ("backward", "grad:attn.c_attn.in"): ("fusions", "allreduce", 4),
+        ("backward", "grad:mlp.c_fc.in"): ("fusions", "allreduce", 4)}
+    assert _runs("megatron-sp-overlap", sp) == {
+        ("forward", "attn.c_attn"): ("fusions", "allgather", 4), ("forward", "mlp.c_fc"): ("fusions", "allgather", 4),
+        ("forward", "attn.c_proj"): ("fusions", "reducescatter", 4),
+        ("forward", "mlp.c_proj"): ("fusions", "reducescatter", 4),
+        ("backward", "grad:attn.c_attn.in"): ("fusions", "reducescatter", 4),
+        ("backward", "grad:mlp.c_fc.in"): ("fusions", "reducescatter", 4)}
+    # a reduce-scatter on nvFuser's stream axis is not lowered: it runs whole
+    assert _runs("megatron-sp-overlap-streams", sp) == {
+        ("forward", "attn.c_attn"): ("streams", "allgather", 4), ("forward", "mlp.c_fc"): ("streams", "allgather", 4)}
+    assert _runs("megatron", tp) == {}
+    ring = _runs("megatron-sp-ring", sp)
+    assert set(ring) == set(_runs("megatron-sp-overlap", sp)) and {v[0] for v in ring.values()} == {"ring"}
+    assert {v[2] for v in ring.values()} == {8}   # a step per rank
+
+
+def _ring(kind, xs, step_result):
+    """Every rank's block output through its ring input and output: `step_result(inputs)` is what
+    nvFuser's executor returns to each rank, from every rank's ring input."""
+    inputs = [ring_input(kind, a, TP, torch.empty(ring_input_shape(kind, a.shape, TP), dtype=a.dtype)) for a in xs]
+    return [ring_output(kind, out, a.shape, TP) for a, out in zip(xs, step_result(inputs))]
+
+
+def test_the_allgather_ring_gives_each_rank_its_column_parallel_linear_of_the_whole_sequence():
+    torch.manual_seed(3)
+    x, w = torch.randn(B, S, K, dtype=torch.float64), torch.randn(N, K, dtype=torch.float64)
+    xs, ws = x.chunk(TP, dim=1), w.chunk(TP, dim=0)       # the sequence over tp; the output rows over tp
+    # in step j a rank's GEMM reads rank j's input: the executor returns [tp, b s/tp, n/tp], rank-major
+    outs = [_ring("allgather", xs, lambda ins: [torch.cat(ins) @ wr.T for _ in ins])[r] for r, wr in enumerate(ws)]
+    for out, wr in zip(outs, ws):
+        torch.testing.assert_close(out, x @ wr.T)
+
+
+def test_the_reducescatter_ring_gives_each_rank_its_part_of_the_sequence_summed():
+    torch.manual_seed(4)
+    x, w = torch.randn(B, S, K, dtype=torch.float64), torch.randn(N, K, dtype=torch.float64)
+    xs, ws = x.chunk(TP, dim=2), w.chunk(TP, dim=1)       # the contraction split over tp: partial sums
+
+    def executor(ins):   # rank r receives step r's partial product from every rank and sums them
+        return [sum(a[0, r] @ wr.T for a, wr in zip(ins, ws)).unsqueeze(0) for r in range(TP)]
+    for out, want in zip(_ring("reducescatter", xs, executor), (x @ w.T).chunk(TP, dim=1)):
+        torch.testing.assert_close(out, want)

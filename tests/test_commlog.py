@@ -5,7 +5,7 @@ import os
 
 from tpfuser.verify.commlog import captured_communications, compare_collectives, parse_communication_log
 from tpfuser.config import Layout, preset
-from tpfuser.parallel.placements import collectives
+from tpfuser.parallel.collectives import forward_collectives as collectives
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")   # copies of H200 reports (README.md there)
 SEEN = json.load(open(os.path.join(DATA, "2026-12-02-h200", "tp_collectives.json")))["posted"][0]["line"]
@@ -84,7 +84,7 @@ def test_sp_backward_as_posted_on_the_h200_matches_the_plan_in_any_order():
     """The SP backward all-reduces the six tp-replicated parameters' gradients
     (LayerNorms, row-parallel biases: sums over sequence shards), and nvFuser
     posts them between the gathers, not where the plan lists them."""
-    from tpfuser.parallel.placements import backward_collectives
+    from tpfuser.parallel.collectives import backward_collectives
     cfg = preset("tiny", dtype="fp32", dropout=0.1)
     posted = RUN17["collectives"]["backward"]["posted"]
     planned = [c for c in backward_collectives(cfg, Layout(1, 4, sp=True)) if c.axis == "tp"]

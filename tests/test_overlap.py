@@ -10,11 +10,11 @@ import pytest
 from tpfuser.cli import main
 from tpfuser.config import Layout, preset
 from tpfuser.parallel.overlap_model import Step, overlap_model
-from tpfuser.parallel.placements import Collective
+from tpfuser.parallel.collectives import Collective
 
 
 def _step(c, g, n):
-    return Step(Collective("allgather", "tp", "before attn.c_attn", (1,), 2, 8), "attn.c_attn", c, g, n)
+    return Step(Collective("allgather", "tp", "forward", "input", "attn.c_attn", "ln_1.out", (1,), 2, 8), "attn.c_attn", c, g, n)
 
 
 def test_one_chunk_hides_nothing():

@@ -84,7 +84,7 @@ def test_gpt3_tp8_sequence_parallel_plan(tmp_path):
 
 
 def test_tp_allreduce_wire_bytes():
-    from tpfuser.parallel.placements import collectives
+    from tpfuser.parallel.collectives import forward_collectives as collectives
     (first, _) = collectives(preset("gpt3"), Layout(1, 8))
     assert first.wire_bytes_per_rank == 2 * 7 * first.tensor_bytes // 8
 
@@ -93,7 +93,7 @@ def test_backward_collectives():
     """Megatron's backward over tp: TP all-reduces each column-parallel input
     gradient; SP gathers the upstream gradient and the LayerNorm output and
     reduce-scatters the input gradient, for the MLP then attention."""
-    from tpfuser.parallel.placements import backward_collectives
+    from tpfuser.parallel.collectives import backward_collectives
     cfg = preset("gpt3")
     tp = backward_collectives(cfg, Layout(1, 8))
     assert [(c.kind, c.where) for c in tp] == [("allreduce", "after mlp.c_fc input gradient"),

@@ -13,7 +13,7 @@ import os
 import pytest
 
 from tpfuser.config import Layout, preset
-from tpfuser.parallel.placements import backward_collectives, collectives
+from tpfuser.parallel.collectives import backward_collectives, forward_collectives as collectives
 from tpfuser.parallel.schedules import SCHEDULES, schedule_from_dict
 from tpfuser.predict import calibration, comm, timeline
 from tpfuser.predict.calibration import PIECES, CalibrationError, Pieces, read_calibration

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from tpfuser.config import Layout, preset
-from tpfuser.parallel import chunking
 from tpfuser.parallel.overlap_model import check_rates
-from tpfuser.parallel.placements import backward_collectives
+from tpfuser.parallel.collectives import backward_collectives, forward_collectives
 from tpfuser.parallel.schedules import SCHEDULES, load_schedule
 from tpfuser.parallel.shard import gather
 from tpfuser.predict import calibration, comm
@@ -46,10 +45,11 @@ def test_mesh_false_and_streams_are_refused_where_they_do_not_run():
 
 
 def test_the_layernorm_gather_of_the_weight_gradient_runs_whole_under_sp_overlap():
-    sched = SCHEDULES["megatron-sp-overlap"]
-    chunks, why = chunking.collective_chunks(sched, "mlp.c_fc", "allgather", "backward weight")
-    assert chunks == 1 and "whole gathered LayerNorm output" in why
-    assert chunking.collective_chunks(sched, "mlp.c_fc", "allgather", "forward")[0] == 4
+    cfg, layout, sched = preset("gpt3"), Layout(1, 8, True), SCHEDULES["megatron-sp-overlap"]
+    (gather,) = [c for c in backward_collectives(cfg, layout, sched) if (c.site, c.linear) == ("weight_input", "mlp.c_fc")]
+    assert (gather.chunks, gather.algorithm) == (1, "whole") and "whole gathered LayerNorm output" in gather.whole_because
+    (forward,) = [c for c in forward_collectives(cfg, layout, sched) if c.linear == "mlp.c_fc"]
+    assert (forward.chunks, forward.algorithm) == (4, "fusions")
 
 
 def test_sp_parameter_gradients_are_placed_in_their_regions():

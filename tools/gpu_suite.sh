@@ -44,7 +44,7 @@
 #           $OUT/main.json (wall seconds, exit code); MAIN_ARGS: more arguments; bound MAIN_S. Alone on the machine
 #   quick   correctness at the default and the overlapped schedules, side by side: nanogpt 1x1, tiny 1x2 and
 #           2x2 (ranks sharing the GPU), TP and SP, fp32 and bf16, forward and backward, collectives as planned
-#           (QUICK_JOBS picks some: "nano11 tiny12 tiny12sp tiny22 ovl12 ovl12sp", or tiny22sp; JOB@SCHEDULE runs
+#           (QUICK_JOBS picks some: "nano11 tiny12 tiny12sp tiny22 ovl12 ovl12sp", or tiny22sp, tiny14sp; JOB@SCHEDULE runs
 #           any but the ovl ones at a named schedule, e.g. "tiny12sp@megatron-sp-cut-linears"); bound QUICK_S
 # SUITE_S: no step starts after this many seconds. At most 8 files come back from
 # the device: the summary, and everything else in run.tar.gz.
@@ -214,6 +214,7 @@ step_quick() {
       tiny12sp) quick_job $tag --preset tiny --tp 2 --sp --dtype fp32 bf16 --share-gpu "${sched[@]}" & ;;
       tiny22) quick_job $tag --preset tiny --dp 2 --tp 2 --dtype fp32 bf16 --share-gpu "${sched[@]}" & ;;
       tiny22sp) quick_job $tag --preset tiny --dp 2 --tp 2 --sp --dtype fp32 bf16 --share-gpu "${sched[@]}" & ;;
+      tiny14sp) quick_job $tag --preset tiny --tp 4 --sp --dtype fp32 bf16 --share-gpu "${sched[@]}" & ;;
       ovl12) quick_job $tag --preset tiny --tp 2 --schedule megatron-overlap --dtype fp32 bf16 --share-gpu --graphs & ;;
       ovl12sp) quick_job $tag --preset tiny --tp 2 --schedule megatron-sp-overlap --dtype fp32 bf16 --share-gpu & ;;
       *) echo "unknown quick job $j" ;;

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from tpfuser.parallel.placements import backward_collectives, collectives
+from tpfuser.parallel.collectives import backward_collectives, forward_collectives
 from tpfuser.verify.commlog import error_line
 
 
@@ -109,7 +109,7 @@ def comm_floor_ms(cfg, layout: Layout, busbw: float, train: bool) -> float:
     """The plan's bytes over tp (forward; and backward in a training step) at
     the measured bus bandwidth, without overlap. The dp sum of the gradients is
     not counted (it can overlap the next step's forward, as DDP does)."""
-    colls = collectives(cfg, layout) + (backward_collectives(cfg, layout) if train else [])
+    colls = forward_collectives(cfg, layout) + (backward_collectives(cfg, layout) if train else [])
     return sum(c.wire_bytes_per_rank for c in colls if c.axis == "tp") / busbw * 1e3
 
 

@@ -34,7 +34,8 @@ from tpfuser.bench.measure import (CALLS_PER_SAMPLE, allreduce_busbw, comm_floor
                                    kernel_summary, matmul_rate, profile_kernels, sample)
 from tpfuser.bench.report import add_ratios
 from tpfuser.config import Layout, preset
-from tpfuser.parallel.placements import collectives, forward_flops, placements
+from tpfuser.parallel.collectives import forward_collectives
+from tpfuser.parallel.placements import forward_flops, placements
 from tpfuser.parallel.schedules import default_schedule, load_schedule
 from tpfuser.parallel.shard import local_slice
 from tpfuser.verify.reference import make_block, make_input
@@ -148,7 +149,7 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
         rep["note"] = ("ranks share a GPU: the times say what chunking costs the GEMMs at a rank's shapes, "
                        "not what overlap gains")
     if layout.tp > 1:
-        busbw = allreduce_busbw(collectives(cfg, layout)[0].tensor_bytes, groups.tp, layout.tp)
+        busbw = allreduce_busbw(forward_collectives(cfg, layout)[0].tensor_bytes, groups.tp, layout.tp)
         rep["allreduce_busbw_gbps"] = busbw / 1e9
         rep["comm_floor_ms"] = comm_floor_ms(cfg, layout, busbw, train)
     return rep

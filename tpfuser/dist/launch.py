@@ -24,6 +24,7 @@ from tpfuser.dist import procs
 from tpfuser.dist.sharegpu import SHARED_GPU_MARK, SHIM_VARIABLE, build_default_stream_shim
 from tpfuser.dist.world import SINGLE_PROCESS_MARK, free_port
 from tpfuser.parallel.placements import PARAM_PLACEMENTS, local_shape, saved_bytes_per_rank
+from tpfuser.parallel.schedules import EXECUTOR_OVERLAPS
 
 # Deferred: tpfuser.runtime.chunked (relaunch, for a chunked schedule's CONNECTIONS_VAR), a layer above
 # this one that imports nvFuser, which the launcher process (`check`, `bench` over ranks) runs none of.
@@ -280,8 +281,9 @@ def relaunch(layout: Layout, argv: list[str] | None = None, share_gpu: bool = Fa
     torchrun with dp*tp local ranks; refuse when this machine has fewer GPUs,
     unless share_gpu (the ranks then share the GPUs there are: tpfuser.dist.sharegpu).
     A schedule that chunks its linears gets CUDA_DEVICE_MAX_CONNECTIONS=1 in
-    every rank (runtime/chunked.py says why), and where it lowers some to
-    host IR on shared GPUs, the default-stream shim (sharegpu.py).
+    every rank (runtime/chunked.py says why), and where it runs some through
+    nvFuser's MultiDeviceExecutor (EXECUTOR_OVERLAPS) on shared GPUs, the
+    default-stream shim (sharegpu.py).
     Past TPFUSER_TIMEOUT_S every rank is ended and 124 returned."""
     timeout_s = run_timeout_s()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -293,7 +295,7 @@ def relaunch(layout: Layout, argv: list[str] | None = None, share_gpu: bool = Fa
     if schedule is not None and schedule.chunked():
         from tpfuser.runtime.chunked import CONNECTIONS_VAR
         environ[CONNECTIONS_VAR] = "1"
-        if share_gpu and gpus < layout.world_size and any(p.overlap == "streams" for p in schedule.chunked().values()):
+        if share_gpu and gpus < layout.world_size and any(p.overlap in EXECUTOR_OVERLAPS for p in schedule.chunked().values()):
             environ.setdefault(SHIM_VARIABLE, build_default_stream_shim())
     cmd, env = torchrun_command(layout, sys.argv[1:] if argv is None else argv, environ,
                                 shared_gpus=min(gpus, layout.world_size) if share_gpu else 0)

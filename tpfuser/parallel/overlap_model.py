@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.parallel.placements import Collective, collectives, forward_flops
+from tpfuser.parallel.collectives import Collective, forward_collectives
+from tpfuser.parallel.placements import forward_flops
 
 # Stated defaults, to be replaced by the caller's own figures:
 BUSBW_GBPS = 360.0    # an assumed NCCL bus bandwidth over 8 NVLink GPUs; `tpfuser bench --tp N` measures it
@@ -87,8 +88,8 @@ def overlap_model(cfg: BlockConfig, layout: Layout, chunks: int, busbw_gbps: flo
     check_chunks(cfg, layout, chunks)
     check_rates(busbw_gbps, tflops)
     flops = forward_flops(cfg, layout)
-    steps = [Step(c, c.where.split()[1], c.wire_bytes_per_rank / (busbw_gbps * 1e9) * 1e3,
-                  flops[c.where.split()[1]] / (tflops * 1e12) * 1e3, chunks) for c in collectives(cfg, layout)]
+    steps = [Step(c, c.linear, c.wire_bytes_per_rank / (busbw_gbps * 1e9) * 1e3,
+                  flops[c.linear] / (tflops * 1e12) * 1e3, chunks) for c in forward_collectives(cfg, layout)]
     compute_ms = flops["total"] / (tflops * 1e12) * 1e3
     comm_ms = sum(s.comm_ms for s in steps)
     exposed_ms = sum(s.exposed_ms for s in steps)

@@ -18,14 +18,11 @@ over dp. Each tensor's placement follows from its dimensions in tensors.py
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
 
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.block.tensors import param_shapes
+from tpfuser.block.form import LINEARS
 from tpfuser.block.tensors import TENSORS, TP_DIMS, Tensor, saved
-from tpfuser.parallel.chunking import collective_chunks
 
 # A placement maps a tensor dimension to the mesh axis that splits it.
 DP, TP = "dp", "tp"
@@ -96,114 +93,10 @@ def local_shape(shape: tuple[int, ...], placement: Placement, layout: Layout) ->
     return tuple(out)
 
 
-@dataclass(frozen=True)
-class Collective:
-    kind: str               # "allreduce", "allgather" or "reducescatter"
-    axis: str               # mesh axis of the team
-    where: str              # "after <op>" or "before <op>"
-    shape: tuple[int, ...]  # the tensor unsharded over the team (per dp rank)
-    dtype_bytes: int
-    team: int               # ranks in the team
-    linear: str = ""        # the linear whose collective it is (its input gradient's, in the backward)
-    chunks: int = 1         # stream chunks along the tokens, each beside another chunk's GEMM
-    whole_because: str = ""   # where the schedule chunks the linear but this collective runs whole: why
-
-    @property
-    def tensor_bytes(self) -> int:
-        """Size of the tensor the collective produces (all-reduce, all-gather) or consumes (reduce-scatter)."""
-        return math.prod(self.shape) * self.dtype_bytes
-
-    @property
-    def wire_bytes_per_rank(self) -> int:
-        """What each rank sends with ring algorithms: 2(n-1)/n of the tensor for an
-        all-reduce, (n-1)/n for an all-gather or a reduce-scatter."""
-        factor = 2 if self.kind == "allreduce" else 1
-        return factor * (self.team - 1) * self.tensor_bytes // self.team
-
-
-# The block's linears in order, by the dimension tensor parallelism splits
-# their weight on: its output rows (column-parallel) or its input columns
-# (row-parallel). The collectives follow from them.
-LINEARS: list[tuple[str, str]] = [(name.removesuffix(".weight"), "column" if dim == 0 else "row")
-                                  for name, placement in PARAM_PLACEMENTS.items() if name.endswith(".weight")
-                                  for dim in placement]
-
-
-def _chunked(c: Collective, schedule, phase: str) -> Collective:
-    """c as the schedule runs it: its stream chunks, or why it runs whole (chunking.collective_chunks)."""
-    if schedule is None or not c.linear:
-        return c
-    chunks, why = collective_chunks(schedule, c.linear, c.kind, phase)
-    return dataclasses.replace(c, chunks=chunks, whole_because=why)
-
-
-def collectives(cfg: BlockConfig, layout: Layout, schedule=None) -> list[Collective]:
-    """The forward's collectives over tp, in order; none over dp. Tensor
-    parallel: an all-reduce after each row-parallel linear. Sequence parallel:
-    an all-gather of the sequence before each column-parallel linear and a
-    reduce-scatter after each row-parallel one (the same bytes on the wire).
-    With tp == 1 the teams have one rank and move nothing. With a schedule,
-    each as it runs: in chunks, or whole and why."""
-    whole = ((cfg.batch // layout.dp, cfg.seq, cfg.n_embd), cfg.torch_dtype.itemsize, layout.tp)
-    out = []
-    for linear, kind in LINEARS:
-        if kind == "column" and layout.sp:
-            out.append(Collective("allgather", TP, f"before {linear}", *whole, linear=linear))
-        elif kind == "row":
-            out.append(Collective("reducescatter" if layout.sp else "allreduce", TP, f"after {linear}", *whole,
-                                  linear=linear))
-    return [_chunked(c, schedule, "forward") for c in out]
-
-
-def backward_collectives(cfg: BlockConfig, layout: Layout, schedule=None) -> list[Collective]:
-    """The backward's collectives over tp, in Megatron's order (the MLP's first):
-    for each row-parallel linear and the column-parallel one before it, walked
-    backwards. Tensor parallel: an all-reduce of the input gradient's partial
-    sums after each column-parallel linear (the row-parallel ones need none).
-    Sequence parallel: an all-gather of the upstream gradient before each
-    row-parallel linear, an all-gather of the LayerNorm output (recomputed on
-    the rank's part of the sequence) for each column-parallel weight gradient,
-    and a reduce-scatter of each column-parallel input gradient; and an all-reduce
-    of each gradient tp does not split (LayerNorms, row-parallel biases), each
-    rank's being a sum over its part of the sequence only. Then, when
-    dp > 1, the one all-reduce over dp of all this rank's parameter gradients,
-    in fp32, after the fusion (through torch.distributed: runtime.ShardedBlock.backward).
-    With a schedule, each as it runs: in chunks, or whole and why."""
-    whole = ((cfg.batch // layout.dp, cfg.seq, cfg.n_embd), cfg.torch_dtype.itemsize, layout.tp)
-    pairs = [(row, column) for (column, c), (row, r) in zip(LINEARS, LINEARS[1:]) if (c, r) == ("column", "row")]
-    out = []
-    for row, column in reversed(pairs):
-        if layout.sp:
-            out += [Collective("allgather", TP, f"before {row} backward", *whole, linear=row),
-                    Collective("allgather", TP, f"before {column} weight gradient", *whole, linear=column),
-                    Collective("reducescatter", TP, f"after {column} input gradient", *whole, linear=column)]
-            out += [Collective("allreduce", TP, f"{name} gradient (partial sums over the sequence shards)",
-                               shape, 4, layout.tp)   # summed in fp32 (fusion._sum_rows, the LayerNorm backward)
-                    for name, shape in _sequence_summed_params(cfg, row)]
-        else:
-            out.append(Collective("allreduce", TP, f"after {column} input gradient", *whole, linear=column))
-    if layout.dp > 1:
-        n = sum(math.prod(local_shape(shape, PARAM_PLACEMENTS[name], layout)) for name, shape in param_shapes(cfg).items())
-        out.append(Collective("allreduce", DP, "after the backward fusion (every parameter gradient, by the runtime)", (n,), 4, layout.dp))
-    return [_chunked(c, schedule, "backward" if "weight gradient" not in c.where else "backward weight")
-            for c in out]
-
-
-def _sequence_summed_params(cfg: BlockConfig, row: str) -> list[tuple[str, tuple[int, ...]]]:
-    """Under sequence parallelism, the parameters of the region that ends with
-    the row-parallel linear `row` which tp does not split (its LayerNorm, its
-    bias): each rank's gradient is a sum over its part of the sequence only,
-    so the backward all-reduces it over tp (Megatron sums them the same way,
-    outside its fusions). Parameter order as in PARAM_PLACEMENTS."""
-    regions, region = {}, []   # the parameters up to and including each row-parallel linear's bias
-    for name in PARAM_PLACEMENTS:
-        region.append(name)
-        if name.endswith(".bias") and (name.removesuffix(".bias"), "row") in LINEARS:
-            regions[name.removesuffix(".bias")], region = region, []
-    if row not in regions:
-        raise ValueError(f"{row}: not a row-parallel linear with a bias ({', '.join(regions)})")
-    shapes = param_shapes(cfg)
-    return [(name, shapes[name]) for name in regions[row] if TP not in PARAM_PLACEMENTS[name].values()]
+# The block's linears in order (block/form.py), each with the parallel style its weight's split
+# gives it: its output rows over tp (column-parallel) or its input columns (row-parallel).
+LINEAR_STYLES: dict[str, str] = {linear: "column" if PARAM_PLACEMENTS[f"{linear}.weight"] == {0: TP} else "row"
+                                 for linear in LINEARS}
 
 
 def forward_flops(cfg: BlockConfig, layout: Layout = Layout()) -> dict[str, int]:

@@ -8,8 +8,8 @@ import math
 
 from tpfuser.block.tensors import param_shapes, tensors
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.parallel.placements import (backward_collectives, collectives, forward_flops, local_shape, placements,
-                                         saved_bytes_per_rank)
+from tpfuser.parallel.collectives import backward_collectives, forward_collectives
+from tpfuser.parallel.placements import forward_flops, local_shape, placements, saved_bytes_per_rank
 from tpfuser.parallel.schedules import Schedule, default_schedule
 
 
@@ -40,10 +40,7 @@ def plan_report(cfg: BlockConfig, layout: Layout, preset_name: str = "", schedul
             })
     param_bytes = sum(math.prod(t["local_shape"]) * nbytes for t in tensors if t["kind"] == "param")
     def rows(colls):
-        return [{"kind": c.kind, "axis": c.axis, "team": c.team, "where": c.where, "linear": c.linear,
-                 "shape": list(c.shape), "tensor_bytes": c.tensor_bytes, "wire_bytes_per_rank": c.wire_bytes_per_rank,
-                 "chunks": c.chunks, **({"whole_because": c.whole_because} if c.whole_because else {})}
-                for c in colls]
+        return [c.as_dict() for c in colls]
     saved = {"tp": saved_bytes_per_rank(cfg, dataclasses.replace(layout, sp=False))}
     if cfg.seq % layout.tp == 0:
         saved["tp+sp"] = saved_bytes_per_rank(cfg, dataclasses.replace(layout, sp=True))
@@ -51,7 +48,7 @@ def plan_report(cfg: BlockConfig, layout: Layout, preset_name: str = "", schedul
         "preset": preset_name, "config": {**cfg.__dict__}, "schedule": schedule.as_dict(),
         "mesh": {"dp": layout.dp, "tp": layout.tp}, "parallelism": "tp+sp" if layout.sp else "tp",
         "tensors": tensors,
-        "collectives": rows(collectives(cfg, layout, schedule)),
+        "collectives": rows(forward_collectives(cfg, layout, schedule)),
         "backward_collectives": rows(backward_collectives(cfg, layout, schedule)),
         "collectives_over_dp": 0,
         "flops_per_rank": forward_flops(cfg, layout),
@@ -59,6 +56,9 @@ def plan_report(cfg: BlockConfig, layout: Layout, preset_name: str = "", schedul
         "saved_for_backward_bytes_per_rank": saved_bytes_per_rank(cfg, layout),
         "saved_for_backward_bytes_per_rank_by_parallelism": saved,
     }
+
+
+RING_BACKENDS = {"nccl": "NCCL send/recv", "cuda": "the copy engine, CUDA IPC"}
 
 
 def _fmt_bytes(n: int) -> str:
@@ -73,7 +73,9 @@ def format_schedule(schedule: dict) -> list[str]:
     """The schedule in a few lines: each linear, then the block-wide choices."""
     lines = [f"schedule {schedule['name']}:"]
     for name, plan in schedule["linears"].items():
-        chunked = f", {plan['chunks']} stream chunks ({plan['overlap']})" if plan["chunks"] > 1 else ""
+        chunked = (f", a ring: a step per rank of tp, P2P by {RING_BACKENDS.get(plan['collective'], plan['collective'])}"
+                   if plan["overlap"] == "ring" else
+                   f", {plan['chunks']} stream chunks ({plan['overlap']})" if plan["chunks"] > 1 else "")
         lines.append(f"  {name:<12} {plan['style']:<10}{chunked}")
     cuts = ", ".join(schedule["cuts"]) or "none"
     options = ", ".join([*(f"+{o}" for o in schedule["enable_options"]), *(f"-{o}" for o in schedule["disable_options"])])
@@ -95,7 +97,10 @@ def format_plan(rep: dict) -> str:
     for key, what in (("collectives", "forward"), ("backward_collectives", "backward")):
         lines += ["", f"collectives ({what}; nvFuser inserts those over tp):"]
         for c in rep[key]:
-            chunks = f", in {c['chunks']} chunks" if c.get("chunks", 1) > 1 else ""
+            chunks = (f", as a ring of {c['chunks']} steps, {c['p2p_steps']} of them a send and a receive of "
+                      f"{_fmt_bytes(c['step_bytes'])} ({RING_BACKENDS.get(c['backend'], c['backend'])})"
+                      if c.get("algorithm") == "ring" else
+                      f", in {c['chunks']} chunks ({c['algorithm']})" if c.get("chunks", 1) > 1 else "")
             whole = f", whole: {c['whole_because']}" if c.get("whole_because") else ""
             lines.append(f"  {c['kind']} over {c['axis']} {c['where']}: {tuple(c['shape'])}, "
                          f"{_fmt_bytes(c['tensor_bytes'])}, {_fmt_bytes(c['wire_bytes_per_rank'])} sent per rank"

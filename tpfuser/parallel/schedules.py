@@ -25,14 +25,19 @@ from tpfuser.block.form import BACKWARD_CUTS, FORWARD_CUTS, LINEARS, MASK_FORMS,
 from tpfuser.block.form import PARTIAL_SUMS
 from tpfuser.config import BlockConfig, Layout
 from tpfuser.outputs import read_json
-from tpfuser.parallel.chunking import collective_chunks  # noqa: F401 (re-exported: predict/timeline.py reads it here)
+from tpfuser.parallel.placements import LINEAR_STYLES
 
-COLUMN, ROW = ("attn.c_attn", "mlp.c_fc"), ("attn.c_proj", "mlp.c_proj")
-STYLES = ("column", "column-sp", "row", "row-sp")
-# How a linear's chunks run: "none" (one chunk), "fusions" (a meshed fusion per chunk, launched by the
-# block on side streams forked and joined with CUDA events: each posts its own collective; CUDA graphs
-# capture it), "streams" (nvFuser's stream axis, lowered to host IR: not capturable in nvFuser 0.2.36).
-OVERLAPS = ("none", "fusions", "streams")
+COLUMN = tuple(linear for linear, style in LINEAR_STYLES.items() if style == "column")
+ROW = tuple(linear for linear, style in LINEAR_STYLES.items() if style == "row")
+# How a linear's collective runs beside its GEMM: "none" (whole), "fusions" (cut into chunks along the
+# tokens, a meshed fusion per chunk, launched by the block on side streams forked and joined with CUDA
+# events: each posts its own collective; CUDA graphs capture it), "streams" (the chunks on nvFuser's
+# stream axis, lowered to host IR), "ring" (nvFuser's P2P decomposition: tp steps, in step i the GEMM on
+# the chunk in hand while the next arrives by send/recv; sequence parallelism only). "streams" and
+# "ring" run through nvFuser's MultiDeviceExecutor with options of their own and are not capturable in
+# CUDA graphs in nvFuser 0.2.36.
+OVERLAPS = ("none", "fusions", "streams", "ring")
+EXECUTOR_OVERLAPS = ("streams", "ring")
 COLLECTIVES = ("nccl", "ucc", "cuda")    # nvFuser's communicator backends (CommunicatorBackend)
 
 
@@ -59,16 +64,21 @@ class LinearSchedule:
             _refuse(f"{where}.chunks", "a positive int (stream chunks along the tokens; 1: none)", self.chunks)
         if self.overlap not in OVERLAPS:
             _refuse(f"{where}.overlap", f"one of {', '.join(OVERLAPS)}", self.overlap)
-        if (self.chunks == 1) != (self.overlap == "none"):
-            _refuse(f"{where}.overlap", "'none' with chunks 1, and 'fusions' or 'streams' with more"
+        if self.overlap == "ring":
+            if not self.sequence_parallel:
+                _refuse(f"{where}.overlap", f"'none', 'fusions' or 'streams' under tensor parallelism (style "
+                        f"{self.style!r}): nvFuser has no P2P form of an all-reduce; a ring needs sequence "
+                        f"parallelism (the schedules megatron-sp-ring, megatron-sp-ring-ce)", self.overlap)
+        elif (self.chunks == 1) != (self.overlap == "none"):
+            _refuse(f"{where}.overlap", "'none' with chunks 1, and 'fusions', 'streams' or 'ring' with more"
                     f" (chunks is {self.chunks})", self.overlap)
         if self.collective not in COLLECTIVES:
             _refuse(f"{where}.collective", f"one of {', '.join(COLLECTIVES)} (nvFuser's communicator backends)",
                     self.collective)
-        if self.collective != "nccl" and self.overlap != "streams":
-            _refuse(f"{where}.collective", "'nccl' unless overlap is 'streams' (a fusion run by fd.execute "
-                    "posts its collectives through NCCL; only nvFuser's MultiDeviceExecutor takes another)",
-                    self.collective)
+        if self.collective != "nccl" and self.overlap not in EXECUTOR_OVERLAPS:
+            _refuse(f"{where}.collective", f"'nccl' unless overlap is one of {', '.join(EXECUTOR_OVERLAPS)} (a "
+                    "fusion run by fd.execute posts its collectives through NCCL; only nvFuser's "
+                    "MultiDeviceExecutor takes another)", self.collective)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -163,8 +173,8 @@ class Schedule:
         return any(plan.sequence_parallel for plan in self.linears.values())
 
     def chunked(self) -> dict[str, LinearSchedule]:
-        """The linears whose collectives run in chunks."""
-        return {name: plan for name, plan in self.linears.items() if plan.chunks > 1}
+        """The linears whose collectives run beside their GEMMs: in chunks, or as a ring."""
+        return {name: plan for name, plan in self.linears.items() if plan.overlap != "none"}
 
     def fusion_cuts(self) -> frozenset[str]:
         """Every cut: the schedule's, and around each chunked linear (a fusion of
@@ -184,7 +194,7 @@ class Schedule:
 
     def form(self) -> Form:
         """How the fusions are written under this schedule (block/form.py)."""
-        seq_major = {n for n, lin in PARTIAL_SUMS.items() if self.sequence_parallel and self.linears[lin].chunks == 1}
+        seq_major = {n for n, lin in PARTIAL_SUMS.items() if self.sequence_parallel and lin not in self.chunked()}
         return Form(self.fusion_cuts(), self.masks, frozenset(self.segment_hints), self.qkv_split, self.flash_layout,
                     self.keys_on_device, seq_major)
 
@@ -196,6 +206,10 @@ class Schedule:
 
     def check(self, cfg: BlockConfig, layout: Layout) -> None:
         """Refuse, in one line, what this schedule cannot do for this block on this mesh."""
+        for linear, plan in self.chunked().items():
+            if plan.overlap == "ring" and plan.chunks not in (1, layout.tp):
+                raise ValueError(f"schedule field 'linears.{linear}.chunks': expected {layout.tp} (a ring runs one "
+                                 f"step per rank of tp = {layout.tp}) or left out, got {plan.chunks}")
         streams = [name for name, plan in self.chunked().items() if plan.overlap == "streams"]
         if streams and layout.dp != 1:
             raise ValueError(f"schedule {self.name!r}: overlap 'streams' ({', '.join(streams)}) runs on a 1 x tp "
@@ -212,6 +226,8 @@ class Schedule:
         if not self.mesh and layout.world_size != 1:
             raise ValueError(f"schedule {self.name!r}: mesh=false needs a 1x1 layout, got {layout.dp}x{layout.tp}")
         for linear, plan in self.chunked().items():
+            if plan.overlap == "ring":
+                continue   # a step per rank: the rank's part of the sequence, whatever its length
             rows = cfg.seq // layout.tp if plan.sequence_parallel else cfg.batch // layout.dp * cfg.seq
             what = "the rank's part of the sequence (s/tp)" if plan.sequence_parallel else "the rank's tokens (b/dp x s)"
             if rows % plan.chunks:
@@ -238,10 +254,10 @@ class Schedule:
 
 
 def _megatron(name: str, sp: bool, chunked: dict | None = None, **block) -> Schedule:
-    """Megatron-LM's styles for every linear; chunked: {linear: (chunks, overlap)}."""
+    """Megatron-LM's styles for every linear; chunked: {linear: (chunks, overlap[, collective])}."""
     suffix = "-sp" if sp else ""
-    linears = {linear: LinearSchedule(("column" if linear in COLUMN else "row") + suffix,
-                                      *(chunked or {}).get(linear, ())) for linear in LINEARS}
+    linears = {linear: LinearSchedule(LINEAR_STYLES[linear] + suffix, *(chunked or {}).get(linear, ()))
+               for linear in LINEARS}
     return Schedule(name, linears, **block)
 
 
@@ -274,6 +290,13 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
               chunked={linear: (4, "streams") for linear in ROW}),
     _megatron("megatron-sp-overlap-streams", sp=True, cuts=SUBLAYER_CUTS,
               chunked={linear: (4, "streams") for linear in LINEARS}),
+    # nvFuser's P2P decompositions (sequence parallelism): all-gather + GEMM before the column-parallel
+    # linears, GEMM + reduce-scatter after the row-parallel ones and the column-parallel input
+    # gradients, a step per rank; by NCCL's send/recv, or by the copy engine (CUDA IPC, no SMs taken).
+    _megatron("megatron-sp-ring", sp=True, cuts=SUBLAYER_CUTS,
+              chunked={linear: (1, "ring", "nccl") for linear in LINEARS}),
+    _megatron("megatron-sp-ring-ce", sp=True, cuts=SUBLAYER_CUTS,
+              chunked={linear: (1, "ring", "cuda") for linear in LINEARS}),
 )}
 
 

@@ -10,8 +10,8 @@ The model, in milliseconds per rank:
 * A collective starts when the GEMM (chunk) that produces it has ended and
   the lane is free; a gather before a linear starts when the piece before the
   linear has ended. A compute piece waits for the collectives it reads.
-* A linear whose collective the schedule chunks (schedules.collective_chunks)
-  cuts that collective and the GEMMs beside it into N along the tokens, each
+* A linear whose collective the schedule chunks (parallel/collectives.py's
+  records: algorithm, chunks) cuts that collective and the GEMMs beside it into N along the tokens, each
   chunk's GEMM time the calibrated N-chunk time over N: after a GEMM, chunk
   i's collective runs beside chunk i+1's GEMM and the piece after the linear
   waits for the last; before one, chunk i's GEMM waits for chunk i's gather
@@ -31,11 +31,10 @@ Exposed communication is the time the compute lane waits (on a collective).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-from tpfuser.parallel import schedules as _schedules
-from tpfuser.parallel.placements import LINEARS as _LINEAR_STYLES, backward_collectives, collectives
+from tpfuser.parallel.collectives import backward_collectives, forward_collectives
+from tpfuser.parallel.placements import LINEAR_STYLES
 from tpfuser.predict.calibration import BACKWARD_PIECES, FORWARD_PIECES, is_gemm
 
 COMPUTE, COMM = "compute", "comm"
@@ -47,7 +46,10 @@ SLOWDOWN_BESIDE_COMM = 1.10
 # Assumed: a collective is bound by NVLink, not by what the GEMM takes of HBM.
 COMM_SLOWDOWN_BESIDE_COMPUTE = 1.0
 STREAM_ORDERED = True   # documentation of the rule above; the model has no other
-ROW = {name for name, style in _LINEAR_STYLES if style == "row"}
+ROW = {name for name, style in LINEAR_STYLES.items() if style == "row"}
+# The LayerNorm whose backward makes the gradients summed over the sequence shards of the region a
+# row-parallel linear ends (collectives.sequence_summed_params): attention's is ln_1's, the MLP's ln_2's.
+REGION_LAYERNORM = {"attn.c_proj": "ln_1", "mlp.c_proj": "ln_2"}
 
 
 @dataclass(frozen=True)
@@ -96,35 +98,16 @@ def simulate(ops: list[Op]) -> list[Span]:
                 done[running.pop(lane)[0]] = t
 
 
-def collective_chunks(schedule, linear: str, kind: str, phase: str) -> int:
-    """How many chunks the schedule cuts one of a linear's collectives into."""
-    fn = getattr(_schedules, "collective_chunks", None)
-    return fn(schedule, linear, kind, phase)[0] if fn else schedule.linears[linear].chunks
-
-
-_SLOTS = ((r"before (\S+) backward", "gather_grad"), (r"before (\S+) weight gradient", "gather_input"),
-          (r"after (\S+) input gradient", "reduce_dgrad"), (r"(\S+) gradient \(partial sums.*\)", "param"),
-          (r"(before|after) (\S+)", None))
-
-
 def attach(colls) -> dict:
-    """(slot, linear or region) -> the collectives posted there; teams of one (not posted) left out."""
+    """(site, linear; or "param", its LayerNorm) -> the collectives posted there; teams of one (not posted) left out."""
     out = {}
     for c in colls:
         if c.team == 1:
             continue
         if c.axis != "tp":
             raise ValueError(f"--predict: a collective over {c.axis} ({c.where}) is not modelled: dp must be 1")
-        for pattern, slot in _SLOTS:
-            m = re.fullmatch(pattern, c.where)
-            if m:
-                key = (m.group(1), m.group(2)) if slot is None else (slot, m.group(1))
-                if slot == "param":   # the region whose LayerNorm backward makes the gradient
-                    key = ("param", "ln_2" if m.group(1).split(".")[0] in ("ln_2", "mlp") else "ln_1")
-                out.setdefault(key, []).append(c)
-                break
-        else:
-            raise ValueError(f"--predict: collective {c.kind} {c.where!r}: its place in the pass is not modelled")
+        key = ("param", REGION_LAYERNORM[c.linear]) if c.site == "param_grad" else (c.site, c.linear)
+        out.setdefault(key, []).append(c)
     return out
 
 
@@ -159,7 +142,7 @@ class _Pass:
     def stage(self, gemms, linear: str, phase: str, before=(), after=()) -> None:
         """A linear's GEMMs (each chunk runs `gemms` in order) with the gather they read or the collective they feed."""
         colls = list(before) + list(after)
-        n = max((collective_chunks(self.schedule, linear, c.kind, phase) for c in colls), default=1)
+        n = max((c.chunks for c in colls), default=1)
         gathered = [[self.collective(c, n, i + 1) for c in before] for i in range(n)]
         for i in range(n):
             for g in gemms:
@@ -170,28 +153,28 @@ class _Pass:
 
 
 def forward_ops(cfg, layout, schedule, pieces, interconnect) -> tuple[list[Op], str]:
-    slots = attach(collectives(cfg, layout))
+    slots = attach(forward_collectives(cfg, layout, schedule))
     p = _Pass("forward", pieces, interconnect, schedule)
     for piece in FORWARD_PIECES:
         if is_gemm(piece):
-            p.stage([piece], piece, "forward", slots.get(("before", piece), ()), slots.get(("after", piece), ()))
+            p.stage([piece], piece, "forward", slots.get(("input", piece), ()), slots.get(("output", piece), ()))
         else:
             p.compute(piece)
     return p.ops, p.slowdown_source
 
 
 def backward_ops(cfg, layout, schedule, pieces, interconnect) -> tuple[list[Op], str]:
-    slots = attach(backward_collectives(cfg, layout))
+    slots = attach(backward_collectives(cfg, layout, schedule))
     p = _Pass("backward", pieces, interconnect, schedule)
     for piece in BACKWARD_PIECES:
         linear, _, grad = piece.rpartition(".")
         if linear in ROW:   # both GEMMs read the gathered upstream gradient (SP)
             if grad == "wgrad":
-                p.stage([piece, f"{linear}.dgrad"], linear, "backward", before=slots.get(("gather_grad", linear), ()))
+                p.stage([piece, f"{linear}.dgrad"], linear, "backward", before=slots.get(("grad_output", linear), ()))
         elif grad == "wgrad":   # reads the gathered LayerNorm output (SP)
-            p.stage([piece], linear, "backward weight", before=slots.get(("gather_input", linear), ()))
+            p.stage([piece], linear, "backward weight", before=slots.get(("weight_input", linear), ()))
         elif grad == "dgrad":   # partial sums over tp: all-reduced (TP) or reduce-scattered (SP)
-            p.stage([piece], linear, "backward", after=slots.get(("reduce_dgrad", linear), ()))
+            p.stage([piece], linear, "backward", after=slots.get(("grad_input", linear), ()))
         else:
             p.compute(piece)
             for c in slots.get(("param", piece), ()):   # SP: the LayerNorm's and the row bias's gradients

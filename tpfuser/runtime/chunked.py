@@ -26,11 +26,11 @@ import os
 
 import torch
 
+from tpfuser.dist.sharegpu import check_host_ir_device
+from tpfuser.parallel.collectives import Collective, all_collectives, runs_beside_gemm
 from tpfuser.parallel.overlapped import (OVERLAP_OPTIONS, allgather_column_parallel_overlapped, chunk_fusion,
                                          row_parallel_overlapped, run_allgather_overlapped)
-from tpfuser.dist.sharegpu import check_host_ir_device
-from tpfuser.parallel.chunking import collective_chunks
-from tpfuser.parallel.schedules import COLUMN
+from tpfuser.parallel.ring import allgather_linear, matmul_reducescatter, ring_executor
 
 CONNECTIONS_VAR = "CUDA_DEVICE_MAX_CONNECTIONS"
 SIDE_STREAMS = 2   # chunk i runs on side stream i % SIDE_STREAMS: chunk i's collective beside chunk i+1's GEMM
@@ -48,29 +48,16 @@ def check_connections(schedule) -> None:
     os.environ[CONNECTIONS_VAR] = "1"
 
 
-def chunked_piece(schedule, kind: str, point: str, sp: bool):
-    """(linear, pattern, op, chunks, overlap) where the piece beginning at cut
-    `point` of a `kind` pass is a chunked linear whose collective the schedule
-    chunks; None where it runs whole."""
-    if kind == "backward":
-        linear = point.removeprefix("grad:").removesuffix(".in") if point.endswith(".in") else None
-        if linear not in COLUMN:
-            return None
-        phase, collective, op = "backward", "reducescatter" if sp else "allreduce", "matmul"
-    else:
-        linear = point if point in schedule.linears else None
-        if linear is None:
-            return None
-        column = linear in COLUMN
-        if column and not sp:
-            return None   # a column-parallel linear's forward posts no collective under tensor parallelism
-        phase, op = "forward", "linear"
-        collective = "allgather" if column else "reducescatter" if sp else "allreduce"
-    chunks, _ = collective_chunks(schedule, linear, collective, phase)
-    if chunks == 1:
-        return None
-    pattern = {"allreduce": "rows", "allgather": "gather", "reducescatter": "scatter"}[collective]
-    return linear, pattern, op, chunks, schedule.linears[linear].overlap
+# The cut point where a linear's fusion begins, by the site of the collective its runner takes over.
+POINT = {"input": "{linear}", "output": "{linear}", "grad_input": "grad:{linear}.in"}
+PATTERN = {"allreduce": "rows", "allgather": "gather", "reducescatter": "scatter"}
+
+
+def chunked_pieces(schedule, cfg, layout) -> dict[tuple[str, str], Collective]:
+    """{(phase, cut point): the collective} of every linear whose fusion the runtime runs with its
+    collective beside the GEMM (collectives.runs_beside_gemm): the point its fusion begins at in that phase."""
+    return {(c.phase, POINT[c.site].format(linear=c.linear)): c
+            for c in all_collectives(cfg, layout, schedule) if runs_beside_gemm(c)}
 
 
 class ChunkedLinears:
@@ -79,17 +66,21 @@ class ChunkedLinears:
     def __init__(self, block):
         self.block = block
         self._runners: dict = {}
+        self._at: dict | None = None   # chunked_pieces, made at first use
         self._streams: list[torch.cuda.Stream] = []
         check_connections(block.schedule)
 
     def runner(self, run, piece):
-        """A callable running `piece` in chunks (its inputs -> its outputs), or None: run it whole."""
+        """A callable running `piece` with its collective beside the GEMM (its inputs -> its outputs),
+        or None: run it whole."""
         if not self.block.schedule.chunked() or not piece.point:
             return None
         key = (run.kind, run.cfg.dropout > 0, piece.point)
         if key not in self._runners:
-            found = chunked_piece(self.block.schedule, run.kind, piece.point, self.block.layout.sp)
-            self._runners[key] = None if found is None else self._make(run, piece, *found)
+            if self._at is None:
+                self._at = chunked_pieces(self.block.schedule, self.block.cfg, self.block.layout)
+            c = self._at.get(("backward" if run.kind == "backward" else "forward", piece.point))
+            self._runners[key] = None if c is None else self._make(run, piece, c)
         return self._runners[key]
 
     def streams(self) -> list[torch.cuda.Stream]:
@@ -97,10 +88,13 @@ class ChunkedLinears:
             self._streams = [torch.cuda.Stream(device=self.block.device) for _ in range(SIDE_STREAMS)]
         return self._streams
 
-    def _make(self, run, piece, linear, pattern, op, chunks, overlap):
-        if overlap == "streams":
-            return StreamAxisChunks(self.block, run, piece, linear, pattern, chunks)
-        return SideStreamChunks(self, run, piece, linear, pattern, op, chunks)
+    def _make(self, run, piece, c: Collective):
+        op = "matmul" if c.phase == "backward" else "linear"
+        if c.algorithm == "ring":
+            return RingSteps(self.block, piece, c)
+        if c.algorithm == "streams":
+            return StreamAxisChunks(self.block, run, piece, c.linear, PATTERN[c.kind], c.chunks)
+        return SideStreamChunks(self, run, piece, c.linear, PATTERN[c.kind], op, c.chunks)
 
 
 def chunk_layout(pattern: str, a: torch.Tensor, n_out: int, chunks: int, tp: int):
@@ -232,3 +226,92 @@ class StreamAxisChunks:
         # [chunks, tp, rows, n]: the tokens chunk-major; back to (b, s) order, rank-major in s
         by_rank = out.permute(1, 0, 2, 3).reshape(tp, b_l, s_l, -1)
         return [by_rank.permute(1, 0, 2, 3).reshape(b_l, tp * s_l, -1)]
+
+
+class RingSteps:
+    """A linear and its collective as nvFuser's P2P ring (parallel/ring.py), a step per rank of tp, run by
+    nvFuser's MultiDeviceExecutor on the rank's dp row. Its memory is kept from call to call (the
+    allocation cache; the copy engine's buffers must keep their addresses, their IPC handles being
+    exchanged once): the input is copied into a buffer of the runner's own, and the output copied out.
+      allgather      (forward, before a column-parallel linear) a [b, s/tp, k], the rank's part of the
+                     sequence -> [b, s, n/tp]
+      reducescatter  (after a row-parallel linear: a [b, s, k/tp], W [n, k/tp], + bias once; after a
+                     column-parallel input-gradient matmul: a [b, s, k/tp], W [k/tp, n]) -> [b, s/tp, n]"""
+
+    def __init__(self, block, piece, c: Collective):
+        check_host_ir_device(block.rank, torch.cuda.device_count())
+        self.block, self.c, self.tp = block, c, block.layout.tp
+        self.names = list(piece.inputs)
+        self.a_name = next(n for n in self.names if n not in (f"{c.linear}.weight", f"{c.linear}.bias"))
+        self.bias = f"{c.linear}.bias" in self.names
+        self.transpose = c.phase == "forward"     # a linear's W [n, k]: the ring's matmul reads it as [k, n]
+        self._executor = self._a = self._w = None
+        self._w_key = None
+
+    def __call__(self, inputs: list) -> list:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{self.c.linear}: overlap 'ring' (nvFuser 0.2.36's MultiDeviceExecutor) cannot be "
+                               f"captured in a CUDA graph; run it called, or use overlap 'fusions'")
+        named = dict(zip(self.names, inputs))
+        a, w = named[self.a_name], named[f"{self.c.linear}.weight"]
+        if self.c.kind == "allgather":
+            return [self._allgather(a, w, named.get(f"{self.c.linear}.bias"))]
+        out = self._reducescatter(a, w)
+        return [out + named[f"{self.c.linear}.bias"] if self.bias else out]
+
+    def _allgather(self, a, w, bias):
+        if self._executor is None:
+            fd = allgather_linear(self.tp, a.shape[0] * a.shape[1], a.shape[2], w.shape[0], a.dtype,
+                                  self.block.dp_rank, bias is not None)
+            self._executor = ring_executor(fd, "allgather", self.c.backend)
+            self._a = torch.empty(ring_input_shape("allgather", a.shape, self.tp), dtype=a.dtype, device=a.device)
+        ring_input("allgather", a, self.tp, self._a)
+        (out,) = self._executor.run([self._a, w] + ([bias] if bias is not None else []))
+        return ring_output("allgather", out, a.shape, self.tp)
+
+    def _reducescatter(self, a, w):
+        b_mat = self._matrix(w)                  # [k/tp, n]
+        if self._executor is None:
+            fd = matmul_reducescatter(self.tp, a.shape[0] * a.shape[1] // self.tp, a.shape[2], b_mat.shape[1],
+                                      a.dtype, self.block.dp_rank)
+            self._executor = ring_executor(fd, "reducescatter", self.c.backend)
+            self._a = torch.empty(ring_input_shape("reducescatter", a.shape, self.tp), dtype=a.dtype, device=a.device)
+        ring_input("reducescatter", a, self.tp, self._a)
+        (out,) = self._executor.run([self._a, b_mat.view(1, 1, *b_mat.shape)])
+        return ring_output("reducescatter", out, a.shape, self.tp)
+
+    def _matrix(self, w):
+        """The ring's B [k/tp, n]: W itself (a matmul's), or W^T laid out so (a linear's), kept while W is unchanged."""
+        if not self.transpose:
+            return w.contiguous()
+        key = (w.data_ptr(), w._version, tuple(w.shape))
+        if key != self._w_key:
+            self._w, self._w_key = w.t().contiguous(), key
+        return self._w
+
+
+def ring_input_shape(kind: str, shape, tp: int) -> tuple[int, ...]:
+    """A rank's ring input (parallel/ring.py) for its block input of `shape`: all-gather [b, s/tp, k] ->
+    [1, b s/tp, k]; reduce-scatter [b, s, k/tp] -> [1, tp, b s/tp, k/tp]."""
+    b, s, k = shape
+    return (1, b * s, k) if kind == "allgather" else (1, tp, b * s // tp, k)
+
+
+def ring_input(kind: str, a: torch.Tensor, tp: int, into: torch.Tensor) -> torch.Tensor:
+    """Write a rank's block input `a` into its ring input `into` (ring_input_shape): for the
+    reduce-scatter, rank j's tokens (every batch row's part j of the sequence) in step j."""
+    if kind == "allgather":
+        return into.view_as(a).copy_(a)
+    b, s, k = a.shape
+    into.view(tp, b, s // tp, k).copy_(a.view(b, tp, s // tp, k).transpose(0, 1))
+    return into
+
+
+def ring_output(kind: str, out: torch.Tensor, shape, tp: int) -> torch.Tensor:
+    """The block's output from a rank's ring output, as a tensor of its own (the executor's
+    allocation cache hands `out` back on the next call): all-gather [tp, b s/tp, n] (rank j's tokens in
+    step j) -> [b, s, n], the sequence rank-major; reduce-scatter [1, b s/tp, n] -> [b, s/tp, n]."""
+    b, s = shape[:2]
+    if kind == "allgather":
+        return out.view(tp, b, s, -1).transpose(0, 1).reshape(b, tp * s, -1).clone()
+    return out.view(b, s // tp, -1).clone()

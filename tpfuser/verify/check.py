@@ -19,11 +19,12 @@ import torch
 
 from tpfuser.block.tensors import BY_NAME, PARAM_NAMES
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.parallel.placements import DP, backward_collectives, collectives
+from tpfuser.parallel.collectives import backward_collectives, forward_collectives
+from tpfuser.parallel.placements import DP
 from tpfuser.parallel.schedules import Schedule, default_schedule, load_schedule
 from tpfuser.runtime.block import ShardedBlock
 from tpfuser.runtime.graphs import GraphedForward, GraphedTrainStep
-from tpfuser.verify.commlog import captured_communications, compare_collectives
+from tpfuser.verify.commlog import captured_communications, compare_collectives, compare_rings
 from tpfuser.verify.oracle import Case, expectations, rank_masks, rel_l2
 
 # Every bound the checks (and the GPU tests) apply: (dtype, quantity) -> (bound, why).
@@ -245,13 +246,22 @@ def compare_with_plan(posted: dict[str, list[dict]], cfg: BlockConfig, layout: L
     Without the splits over a mesh axis of one device (the default), tp == 1
     plans none: nvFuser then posts nothing over that team of one."""
     schedule = schedule or default_schedule(layout)
-    planned = {"forward": collectives(cfg, layout, schedule), "training forward": collectives(cfg, layout, schedule),
+    planned = {"forward": forward_collectives(cfg, layout, schedule),
+               "training forward": forward_collectives(cfg, layout, schedule),
                "backward": [c for c in backward_collectives(cfg, layout, schedule) if c.axis != DP]}
     if layout.tp == 1 and not schedule.split_unit_axes:
         planned = {phase: [] for phase in planned}
     dp_rank, _ = layout.rank_coords(rank)
     team = [dp_rank * layout.tp + t for t in range(layout.tp)]
-    return {phase: compare_collectives(posted[phase], planned[phase], team) for phase in posted}
+    out = {}
+    for phase in posted:
+        rings = [c for c in planned[phase] if c.algorithm == "ring"]
+        out[phase] = compare_collectives([p for p in posted[phase] if p["kind"] != "p2p program"],
+                                         [c for c in planned[phase] if c.algorithm != "ring"], team)
+        if rings or any(p["kind"] == "p2p program" for p in posted[phase]):
+            out[phase]["rings"] = compare_rings([p for p in posted[phase] if p["kind"] == "p2p program"], rings)
+            out[phase]["matches"] = out[phase]["matches"] and out[phase]["rings"]["matches"]
+    return out
 
 
 def graph_equality(case: Case, rank: int, exp: dict, host_outs: dict, backward: bool, dp_group,

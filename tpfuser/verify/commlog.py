@@ -30,6 +30,40 @@ def parse_communication_log(text: str) -> list[dict]:
     return posted
 
 
+def parse_host_ir_programs(text: str) -> list[dict]:
+    """Every host IR program nvFuser printed (NVFUSER_DUMP=host_ir, when a MultiDeviceExecutor is built)
+    that sends or receives: its steps (the extent of the stream loop holding its P2P communications)
+    and each P2P communication once (type, backend, elements per rank of its buffer: a device-split
+    axis counts one, reduction and broadcast axes none)."""
+    programs = []
+    for body in re.findall(r"%HostIrContainer \{(.*?)\} // %HostIrContainer", text, flags=re.S):
+        p2p, steps = {}, None
+        for block in re.split(r"\n\s*FOR streamIdx in ", body)[1:]:
+            extent = int(re.match(r"\S+?\{(\d+)\}", block).group(1))
+            for ident, kind, buffer, backend in re.findall(
+                    r"P2PCommunication (\d+) \(type=(\w+), buffer=T\d+_\w+?\[([^\]]*)\][^\n]*?backend=(\w+)\)", block):
+                axes = [a.strip() for a in buffer.split(",")]
+                numel = math.prod(int(re.search(r"\{(\d+)\}", a).group(1)) for a in axes
+                                  if a and not a.startswith(("ideviceIdx", "r", "b")))
+                p2p[ident] = {"type": kind, "backend": backend.lower(), "numel": numel}
+                steps = extent
+        if p2p:
+            programs.append({"steps": steps, "p2p": sorted(p2p.values(), key=lambda c: c["type"])})
+    return programs
+
+
+def compare_rings(programs: list[dict], planned) -> dict:
+    """Are the P2P programs nvFuser lowered the planned rings (collectives.Collective with algorithm
+    "ring"): for each, a loop of `chunks` steps holding one send and one receive of a rank's chunk
+    (tensor / tp elements) by its backend? Order is not compared."""
+    want = [{"steps": c.chunks, "p2p": [{"type": t, "backend": c.backend, "numel": math.prod(c.shape) // c.team}
+                                        for t in ("recv", "send")]} for c in planned]
+
+    def key(p):
+        return p["steps"], tuple((c["type"], c["backend"], c["numel"]) for c in p["p2p"])
+    return {"planned": want, "lowered": programs, "matches": sorted(map(key, programs)) == sorted(map(key, want))}
+
+
 def compare_collectives(posted: list[dict], planned, team: list[int]) -> dict:
     """Are the posted collectives the planned ones: the same kinds, each with the
     same number of elements (of the larger of input and output: the unsharded
@@ -57,7 +91,8 @@ def compare_collectives(posted: list[dict], planned, team: list[int]) -> dict:
 @contextmanager
 def captured_communications():
     """Yields a list that, after the body, holds the collectives nvFuser posted
-    in it (parse_communication_log of what NVFUSER_DUMP=communication printed).
+    in it (parse_communication_log of what NVFUSER_DUMP=communication printed)
+    and the P2P programs it lowered ("kind": "p2p program", parse_host_ir_programs).
     The process's stdout and stderr go to a file meanwhile; what is not a
     posted collective is written back to stdout afterwards."""
     posted: list[dict] = []
@@ -75,6 +110,8 @@ def captured_communications():
             tmp.seek(0)
             text = tmp.read().decode(errors="replace")
             posted.extend(parse_communication_log(text))
+            posted.extend({"kind": "p2p program", **p} for p in parse_host_ir_programs(text))
+            text = re.sub(r"%HostIrContainer \{.*?\} // %HostIrContainer\n?", "", text, flags=re.S)
             rest = "".join(line + "\n" for line in text.splitlines() if "Posting Communication" not in line)
             if rest:
                 sys.stdout.write(rest)

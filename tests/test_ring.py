@@ -1,0 +1,103 @@
+"""The P2P ring schedules on the CPU: their collectives as the plan lists them,
+the refusals, and the host IR programs nvFuser lowers for the ring fusions
+(parallel/ring.py) read back and compared step by step with the plan.
+
+nvFuser's MultiDeviceExecutor prints its host IR program (NVFUSER_DUMP=host_ir)
+while it is built, before it first touches CUDA, so the lowering is seen on a
+machine without a GPU; the constructor then fails there, in a child process."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tpfuser.config import Layout, preset
+from tpfuser.parallel.collectives import backward_collectives, forward_collectives
+from tpfuser.parallel.schedules import SCHEDULES, load_schedule
+from tpfuser.verify.commlog import compare_rings, parse_host_ir_programs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _rings(colls):
+    return [(c.phase, c.site, c.linear, c.kind, c.chunks, c.backend) for c in colls if c.algorithm == "ring"]
+
+
+@pytest.mark.parametrize("name, backend", [("megatron-sp-ring", "nccl"), ("megatron-sp-ring-ce", "cuda")])
+def test_the_ring_schedules_plan_a_ring_of_tp_steps_where_nvfuser_lowers_one(name, backend):
+    cfg, layout = preset("gpt3"), Layout(1, 8, sp=True)
+    forward = forward_collectives(cfg, layout, SCHEDULES[name])
+    backward = backward_collectives(cfg, layout, SCHEDULES[name])
+    assert _rings(forward) == [("forward", "input", "attn.c_attn", "allgather", 8, backend),
+                               ("forward", "output", "attn.c_proj", "reducescatter", 8, backend),
+                               ("forward", "input", "mlp.c_fc", "allgather", 8, backend),
+                               ("forward", "output", "mlp.c_proj", "reducescatter", 8, backend)]
+    assert _rings(backward) == [("backward", "grad_input", "mlp.c_fc", "reducescatter", 8, backend),
+                                ("backward", "grad_input", "attn.c_attn", "reducescatter", 8, backend)]
+    whole = {(c.site, c.linear): c.whole_because for c in backward if c.site in ("grad_output", "weight_input")}
+    assert len(whole) == 4 and all(whole.values())   # each says why it runs whole
+    ring = next(c for c in forward if c.algorithm == "ring")
+    assert (ring.p2p_steps, ring.step_bytes * 8) == (7, ring.tensor_bytes)
+
+
+def test_a_ring_is_refused_under_tensor_parallelism_and_with_other_than_tp_steps():
+    with pytest.raises(ValueError, match=r"^schedule field 'linears.mlp.c_fc.overlap': .*no P2P form of an "
+                                         r"all-reduce.*megatron-sp-ring"):
+        load_schedule({"base": "megatron", "linears": {"mlp.c_fc": {"overlap": "ring"}}})
+    three = load_schedule({"base": "megatron-sp-ring", "linears": {"mlp.c_fc": {"chunks": 3}}})
+    with pytest.raises(ValueError, match=r"'linears.mlp.c_fc.chunks': expected 4 \(a ring runs one step per rank"):
+        three.check(preset("tiny"), Layout(1, 4, sp=True))
+    load_schedule({"base": "megatron-sp-ring", "linears": {"mlp.c_fc": {"chunks": 4}}}).check(
+        preset("tiny"), Layout(1, 4, sp=True))
+    with pytest.raises(ValueError, match="is sequence-parallel but the layout is not"):
+        SCHEDULES["megatron-sp-ring"].check(preset("tiny"), Layout(1, 2))
+
+
+# Builds the ring fusions of tiny's block at tp 2 (b 4, s 16, e 64: a rank's 32 tokens), as the runtime
+# builds them (runtime/chunked.RingSteps): c_attn's all-gather + linear, c_proj's linear + reduce-scatter
+# (its W^T, [e/tp, e]) and the backward's input-gradient matmul + reduce-scatter of c_fc ([4e/tp, e]).
+_BUILD = textwrap.dedent("""
+    import sys, torch
+    from tpfuser.parallel.ring import allgather_linear, matmul_reducescatter, ring_executor
+    backend, tp, tokens, e = sys.argv[1], 2, 4 * 16 // 2, 64
+    for form, fd in (("allgather", allgather_linear(tp, tokens, e, 3 * e // tp, torch.bfloat16)),
+                     ("reducescatter", matmul_reducescatter(tp, tokens, e // tp, e, torch.bfloat16)),
+                     ("reducescatter", matmul_reducescatter(tp, tokens, 4 * e // tp, e, torch.bfloat16))):
+        try:
+            ring_executor(fd, form, backend)
+        except Exception as err:   # no GPU: the constructor fails after the lowering printed its program
+            print("BUILD FAILED", type(err).__name__, flush=True)
+""")
+
+
+@pytest.mark.parametrize("backend", ["nccl", "cuda"])
+def test_nvfuser_lowers_each_ring_to_the_planned_p2p_steps(backend):
+    env = {**os.environ, "NVFUSER_DUMP": "host_ir", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run = subprocess.run([sys.executable, "-c", _BUILD, backend], capture_output=True, text=True, env=env,
+                         timeout=300, cwd=ROOT)
+    programs = parse_host_ir_programs(run.stdout + run.stderr)
+    assert len(programs) == 3, run.stdout[-2000:] + run.stderr[-2000:]
+    name = {"nccl": "megatron-sp-ring", "cuda": "megatron-sp-ring-ce"}[backend]
+    cfg, layout = preset("tiny"), Layout(1, 2, sp=True)
+    schedule = SCHEDULES[name]
+    planned = [c for c in forward_collectives(cfg, layout, schedule) + backward_collectives(cfg, layout, schedule)
+               if c.algorithm == "ring" and (c.phase, c.linear) in
+               {("forward", "attn.c_attn"), ("forward", "attn.c_proj"), ("backward", "mlp.c_fc")}]
+    assert len(planned) == 3
+    result = compare_rings(programs, planned)
+    assert result["matches"], result
+    # each a loop of tp steps holding one send and one receive of a rank's chunk of tokens x e
+    assert all(p["steps"] == 2 and [c["type"] for c in p["p2p"]] == ["recv", "send"] for p in programs)
+    assert {c["numel"] for p in programs for c in p["p2p"]} == {32 * 64}
+
+
+def test_a_program_with_other_steps_or_another_backend_is_not_the_plan():
+    cfg, layout = preset("tiny"), Layout(1, 2, sp=True)
+    (ring,) = [c for c in forward_collectives(cfg, layout, SCHEDULES["megatron-sp-ring"]) if c.linear == "attn.c_attn"]
+    good = {"steps": 2, "p2p": [{"type": "recv", "backend": "nccl", "numel": 2048},
+                                {"type": "send", "backend": "nccl", "numel": 2048}]}
+    assert compare_rings([good], [ring])["matches"]
+    assert not compare_rings([{**good, "steps": 4}], [ring])["matches"]
+    assert not compare_rings([{**good, "p2p": [{**c, "backend": "cuda"} for c in good["p2p"]]}], [ring])["matches"]
+    assert not compare_rings([], [ring])["matches"]
