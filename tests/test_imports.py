@@ -58,7 +58,7 @@ LAYERS = (("tpfuser", "tpfuser.config", "tpfuser.outputs"), ("tpfuser.block",), 
 DEFERRABLE = ("nvfuser_direct", "torch.distributed", "torch.profiler", "matplotlib", "transformers", "triton")
 # The package's modules that import nvFuser at their top (directly or through another).
 NVFUSER_MODULES = {"tpfuser.block.backward", "tpfuser.block.forward", "tpfuser.block.inputs", "tpfuser.block.ops",
-                   "tpfuser.block.pieces", "tpfuser.parallel.overlapped", "tpfuser.parallel.schedule",
+                   "tpfuser.block.pieces", "tpfuser.parallel.overlapped", "tpfuser.parallel.ring", "tpfuser.parallel.schedule",
                    "tpfuser.runtime.block", "tpfuser.runtime.chunked", "tpfuser.runtime.graphs",
                    "tpfuser.runtime.module", "tpfuser.runtime.shared", "tpfuser.verify.check", "tpfuser.verify.inspect",
                    "tpfuser.verify.oracle"}

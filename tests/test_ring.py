@@ -101,3 +101,35 @@ def test_a_program_with_other_steps_or_another_backend_is_not_the_plan():
     assert not compare_rings([{**good, "steps": 4}], [ring])["matches"]
     assert not compare_rings([{**good, "p2p": [{**c, "backend": "cuda"} for c in good["p2p"]]}], [ring])["matches"]
     assert not compare_rings([], [ring])["matches"]
+
+
+def test_the_documented_reproducer_still_fails_as_docs_overlap_says():
+    """docs/overlap.md's reproducer of the weight split over the mesh inside a ring: the day nvFuser
+    lowers it, this fails and the ring can take the block's placement as it is."""
+    text = open(os.path.join(ROOT, "docs", "overlap.md")).read()
+    code = textwrap.dedent(text.split("```python\n", 1)[1].split("```", 1)[0])
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode != 0 and "IndexError: unordered_map::at" in run.stderr, run.stderr[-2000:]
+
+
+def test_show_says_which_fusions_the_ring_runs_instead(capsys):
+    from tpfuser.cli import main
+    for backward, points in ((False, ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]),
+                             (True, ["grad:mlp.c_fc.in", "grad:attn.c_attn.in"])):
+        assert main(["show", "--preset", "tiny", "--tp", "2", "--sp", "--schedule", "megatron-sp-ring-ce"]
+                    + (["--backward"] if backward else [])) == 0
+        lines = capsys.readouterr().out.splitlines()
+        ringed = [lines[i - 1].split("(from ")[1].split("'")[1] for i, line in enumerate(lines)
+                  if "runtime/chunked.RingSteps" in line]
+        assert ringed == points
+        assert all("as a ring of 2 steps, P2P by cuda" in line for line in lines if "RingSteps" in line)
+    assert main(["show", "--preset", "tiny", "--tp", "2", "--sp"]) == 0
+    assert "run instead" not in capsys.readouterr().out
+
+
+def test_graphs_refuse_a_ring_schedule_before_any_gpu_work(capsys):
+    from tpfuser.cli import main
+    assert main(["check", "--preset", "tiny", "--tp", "2", "--sp", "--schedule", "megatron-sp-ring", "--graphs"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --graphs: schedule 'megatron-sp-ring' runs attn.c_attn, ") and err.count("\n") == 1
+    assert "cannot capture in a CUDA graph" in err

@@ -29,6 +29,7 @@ from tpfuser.parallel.overlap_model import (BUSBW_GBPS, TFLOPS, check_chunks, ch
                                             overlap_model)
 from tpfuser.parallel.report import format_plan, plan_report
 from tpfuser.parallel.schedule_options import check_schedule, resolve_schedule, schedule_args, schedule_files
+from tpfuser.parallel.linear_schedule import graphs_refused
 from tpfuser.parallel.schedules import known_failure
 from tpfuser.predict.command import add_predict_arguments, check_predict_arguments, predict_command, predict_files
 from tpfuser.verify.dtypes import check_side_by_side, side_by_side_refusal
@@ -99,6 +100,8 @@ def preflight(args) -> None:
         refused = known_failure(cfgs[0], layout, schedule)
         if refused:
             raise ValueError(refused)
+    if getattr(args, "graphs", False) and (refused := graphs_refused(schedule)):
+        raise ValueError(f"--graphs: {refused}")
     if args.command == "check" and _cuda_count() == 0:
         raise ValueError(NO_GPU)
 
@@ -115,7 +118,10 @@ def cmd_show(args) -> int:
     elif args.ir or args.names:
         print(pass_text(built, names=args.names))
     else:
-        print(pass_summary(built, schedule))
+        from tpfuser.runtime.chunked import chunked_pieces
+        phase = "backward" if args.backward else "forward"
+        beside = {point: c for (p, point), c in chunked_pieces(schedule, cfg, layout).items() if p == phase}
+        print(pass_summary(built, schedule, beside))
     return 0
 
 

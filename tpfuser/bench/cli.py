@@ -8,7 +8,8 @@ import sys
 
 import torch
 
-from tpfuser.bench.impls import IMPLS, check_impls, schedule_files as impl_schedule_files
+from tpfuser.bench.impls import (IMPLS, NVFUSER_GRAPHED, check_impls, default_impls, split_impl,
+                                 schedule_files as impl_schedule_files)
 from tpfuser.bench.plot import plot_reports
 from tpfuser.bench.report import format_table, validate_report
 from tpfuser.bench.run import bench
@@ -19,6 +20,7 @@ from tpfuser.dist.sharegpu import SHARED_GPU_MARK
 from tpfuser.dist.world import check_launch, in_launcher, init_rank, rank_groups
 from tpfuser.outputs import check_distinct, check_writable, write_json
 from tpfuser.parallel.schedule_options import check_schedule, resolve_schedule, schedule_files
+from tpfuser.parallel.linear_schedule import graphs_refused
 from tpfuser.parallel.schedules import known_failure
 from tpfuser.verify.meshes import environment
 # None of these imports nvFuser (bench.impls imports the runtime where a block
@@ -57,6 +59,12 @@ def bench_command(argv: list[str]) -> str:
 ITERS = 100   # samples per implementation, by default
 
 
+RING_NOTE = ("note: a ring on one GPU (tp 1, or ranks sharing it) moves nothing between GPUs: its figure is what "
+             "the ring's form costs (the GEMM cut into tp steps, nvFuser's host IR, the runner's copies), not what "
+             "it overlaps")
+RING_NOTE_TP = "note: the ring schedules run called (nvFuser 0.2.36 cannot capture them in a CUDA graph)"
+
+
 def bench_main(args, argv) -> int:
     """The benchmark of parsed options; argv, bench's own, is what ranks relaunch with."""
     rank, groups = 0, None
@@ -79,6 +87,11 @@ def bench_main(args, argv) -> int:
         check_schedule(args, schedule, cfg, layout)
         if known_failure(cfg, layout, schedule):
             raise ValueError(known_failure(cfg, layout, schedule))
+        if refused := graphs_refused(schedule):   # its linears run called only: no graph of nvFuser's block
+            graphed = [i for i in impls or () if split_impl(i)[0] in NVFUSER_GRAPHED]
+            if graphed:
+                raise ValueError(f"implementation {graphed[0]!r}: {refused}")
+            impls = impls or [i for i in default_impls(layout) if i not in NVFUSER_GRAPHED]
         check_impls(impls or (), layout, args.train, schedule, cfg)
         check_writable(args.json, "--json")
         check_writable(args.png, "--png")
@@ -96,6 +109,8 @@ def bench_main(args, argv) -> int:
                 return relaunch(layout, ["bench", *argv], share_gpu=args.share_gpu, schedule=schedule)
             rank = init_rank(layout)
             groups = rank_groups(layout, rank)
+        if rank == 0 and any(plan.overlap == "ring" for plan in schedule.chunked().values()):
+            print(RING_NOTE if layout.tp == 1 or args.share_gpu else RING_NOTE_TP, file=sys.stderr)
         rep = bench(args.preset, impls, iters, dropout=args.dropout, train=args.train, layout=layout,
                     rank=rank, groups=groups, progress=rank == 0, profile=args.profile, schedule=schedule)
     except (ValueError, RuntimeError) as e:

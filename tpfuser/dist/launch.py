@@ -24,7 +24,7 @@ from tpfuser.dist import procs
 from tpfuser.dist.sharegpu import SHARED_GPU_MARK, SHIM_VARIABLE, build_default_stream_shim
 from tpfuser.dist.world import SINGLE_PROCESS_MARK, free_port
 from tpfuser.parallel.placements import PARAM_PLACEMENTS, local_shape, saved_bytes_per_rank
-from tpfuser.parallel.schedules import EXECUTOR_OVERLAPS
+from tpfuser.parallel.linear_schedule import EXECUTOR_OVERLAPS
 
 # Deferred: tpfuser.runtime.chunked (relaunch, for a chunked schedule's CONNECTIONS_VAR), a layer above
 # this one that imports nvFuser, which the launcher process (`check`, `bench` over ranks) runs none of.
@@ -280,10 +280,8 @@ def relaunch(layout: Layout, argv: list[str] | None = None, share_gpu: bool = Fa
     """Re-run this command (`tpfuser argv`, default this process's) under
     torchrun with dp*tp local ranks; refuse when this machine has fewer GPUs,
     unless share_gpu (the ranks then share the GPUs there are: tpfuser.dist.sharegpu).
-    A schedule that chunks its linears gets CUDA_DEVICE_MAX_CONNECTIONS=1 in
-    every rank (runtime/chunked.py says why), and where it runs some through
-    nvFuser's MultiDeviceExecutor (EXECUTOR_OVERLAPS) on shared GPUs, the
-    default-stream shim (sharegpu.py).
+    A schedule that chunks its linears gets CUDA_DEVICE_MAX_CONNECTIONS=1 in every rank (runtime/chunked.py
+    says why), and where it runs some by MultiDeviceExecutor on shared GPUs, the default-stream shim.
     Past TPFUSER_TIMEOUT_S every rank is ended and 124 returned."""
     timeout_s = run_timeout_s()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -8,7 +8,8 @@ import argparse
 import os
 
 from tpfuser.config import Layout
-from tpfuser.parallel.schedules import SCHEDULES, ChunksRefused, default_schedule, load_schedule
+from tpfuser.parallel.linear_schedule import ChunksRefused
+from tpfuser.parallel.schedules import SCHEDULES, default_schedule, load_schedule
 
 
 def schedule_args(p: argparse.ArgumentParser) -> None:

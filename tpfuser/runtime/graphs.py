@@ -34,10 +34,13 @@ import torch
 import torch.distributed as dist
 
 from tpfuser.dist.world import sum_over_group
+from tpfuser.parallel.linear_schedule import graphs_refused
 from tpfuser.runtime.block import ShardedBlock
 
 
 def _check_block(block: ShardedBlock) -> None:
+    if refused := graphs_refused(block.schedule):
+        raise ValueError(refused)
     if not torch.cuda.is_available():
         raise RuntimeError("CUDA graphs need a CUDA device; none is visible")
     if block.cfg.dropout > 0 and not block.keys_on_device:

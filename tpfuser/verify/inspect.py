@@ -19,10 +19,12 @@ def _count(pattern: str, text: str) -> int:
     return len(re.findall(pattern, text))
 
 
-def pass_summary(built: Pass, schedule=None) -> str:
+def pass_summary(built: Pass, schedule=None, beside: dict | None = None) -> str:
     """A pass in a line per fusion: what goes in and out by the block's names,
     which operations nvFuser hands to ATen (the GEMMs, flash attention) and
-    how many it fuses into kernels of its own between them."""
+    how many it fuses into kernels of its own between them; beside: {cut point:
+    collectives.Collective} of the fusions the runtime runs with their collective
+    beside the GEMM instead (runtime/chunked.chunked_pieces), said so on their line."""
     head = (f"{built.kind} pass, {built.cfg.dtype}, batch {built.cfg.batch}: {len(built.pieces)} fusion(s)"
             + (f" under schedule {schedule.name}" if schedule is not None else "")
             + ("" if built.meshed else ", without a device mesh"))
@@ -36,6 +38,10 @@ def pass_summary(built: Pass, schedule=None) -> str:
         run_by_aten = ", ".join(f"{n} {k}" for k, n in aten.items() if n)
         lines.append(f"  fusion {i} ({begins}): {', '.join(piece.inputs)} -> {', '.join(piece.outputs)}; "
                      f"{_count(r'(?m)^T[0-9]+_l', body)} fused" + (f"; run by ATen: {run_by_aten};" if run_by_aten else ""))
+        if c := (beside or {}).get(piece.point):
+            lines.append(f"    run instead by {RUNNERS[c.algorithm]}: its {c.kind} {c.where} "
+                         + (f"as a ring of {c.chunks} steps, P2P by {c.backend} (a loop of nvFuser's host IR)"
+                            if c.algorithm == "ring" else f"in {c.chunks} chunks, a fusion (or stream) each"))
     lines.append("(A -> B: its inputs and outputs; fused: the tensor expressions nvFuser fuses into kernels around "
                  "what ATen runs. `--ir` prints each fusion's text, `--names` labels it with these names)")
     return "\n".join(lines)
@@ -55,13 +61,17 @@ def pass_text(built: Pass, names: bool = False) -> str:
     return "\n".join(out)
 
 
+RUNNERS = {"fusions": "runtime/chunked.SideStreamChunks", "streams": "runtime/chunked.StreamAxisChunks",
+           "ring": "runtime/chunked.RingSteps (parallel/ring.py's fusion, nvFuser's MultiDeviceExecutor)"}
+
+
 def host_ir_text(cfg, layout, schedule) -> str:
     """What to run to see the host IR of a schedule's stream-chunked linears:
     nvFuser 0.2.36 lowers a fusion to host IR when it first runs, on the ranks
     of its mesh, so the text comes from a run (NVFUSER_DUMP=host_ir)."""
-    streams = [name for name, plan in schedule.chunked().items() if plan.overlap == "streams"]
+    streams = [name for name, plan in schedule.chunked().items() if plan.overlap in ("streams", "ring")]
     if not streams:
-        return (f"schedule {schedule.name!r} has no linear chunked on nvFuser's stream axis (overlap 'streams'): "
+        return (f"schedule {schedule.name!r} has no linear on nvFuser's stream axis (overlap 'streams' or 'ring'): "
                 f"nothing is lowered to host IR")
     return (f"schedule {schedule.name!r} lowers {', '.join(streams)} to host IR when they first run. "
             f"nvFuser 0.2.36 prints it then:\n  NVFUSER_DUMP=host_ir tpfuser check --preset <P> --dp {layout.dp} "
