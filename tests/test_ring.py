@@ -133,3 +133,20 @@ def test_graphs_refuse_a_ring_schedule_before_any_gpu_work(capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: --graphs: schedule 'megatron-sp-ring' runs attn.c_attn, ") and err.count("\n") == 1
     assert "cannot capture in a CUDA graph" in err
+
+
+def test_plan_json_holds_every_collective_as_a_record(tmp_path):
+    import json
+    from tpfuser.cli import main
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--preset", "gpt3", "--tp", "8", "--sp", "--schedule", "megatron-sp-ring",
+                 "--json", str(path)]) == 0
+    rep = json.loads(path.read_text())
+    records = rep["collectives"] + rep["backward_collectives"]
+    fields = {"linear", "phase", "site", "kind", "tensor", "shape", "tensor_bytes", "wire_bytes_per_rank", "axis",
+              "team", "algorithm", "chunks", "backend"}
+    assert records and all(fields <= set(r) for r in records)
+    rings = [r for r in records if r["algorithm"] == "ring"]
+    assert len(rings) == 6 and all((r["chunks"], r["p2p_steps"], r["step_bytes"]) == (8, 7, 2048 * 12288 * 2 // 8)
+                                   for r in rings)
+    assert all(r["whole_because"] for r in records if r["site"] in ("grad_output", "weight_input"))

@@ -213,12 +213,12 @@ def sequence_summed_params(cfg: BlockConfig, row: str) -> list[tuple[str, tuple[
     bias): each rank's gradient is a sum over its part of the sequence only,
     so the backward all-reduces it over tp (Megatron sums them the same way,
     outside its fusions). Parameter order as in PARAM_PLACEMENTS."""
+    ends = {f"{linear}.bias": linear for linear, style in LINEAR_STYLES.items() if style == "row"}
     regions, region = {}, []   # the parameters up to and including each row-parallel linear's bias
     for name in PARAM_PLACEMENTS:
         region.append(name)
-        linear = name.removesuffix(".bias")
-        if name.endswith(".bias") and LINEAR_STYLES.get(linear) == "row":
-            regions[linear], region = region, []
+        if name in ends:
+            regions[ends[name]], region = region, []
     if row not in regions:
         raise ValueError(f"{row}: not a row-parallel linear with a bias ({', '.join(regions)})")
     shapes = param_shapes(cfg)
