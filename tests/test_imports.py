@@ -99,14 +99,14 @@ def _imported(node, module: str, is_package: bool) -> list[str]:
     return [base] + [f"{base}.{alias.name}" for alias in node.names]
 
 
-def _imports(path: pathlib.Path, module: str, top_only: bool) -> list[tuple[int, str]]:
+def _imports(path: pathlib.Path, module: str, top_only: bool, type_only: bool = False) -> list[tuple[int, str]]:
     """(line, module) of each import in the file: at its top level (through if/try
-    blocks, not `if TYPE_CHECKING:`) or, top_only=False, those inside functions only."""
+    blocks, not `if TYPE_CHECKING:` unless type_only) or, top_only=False, those inside functions only."""
     found = []
 
     def visit(nodes, in_function):
         for node in nodes:
-            if _is_type_checking(node):
+            if _is_type_checking(node) and not type_only:
                 continue
             if isinstance(node, (ast.Import, ast.ImportFrom)) and in_function != top_only:
                 found.extend((node.lineno, m) for m in _imported(node, module, path.name == "__init__.py"))
@@ -116,13 +116,14 @@ def _imports(path: pathlib.Path, module: str, top_only: bool) -> list[tuple[int,
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    """tpfuser module -> the tpfuser modules its top-level imports run (their packages included)."""
+def import_graph(type_only: bool = False) -> dict[str, set[str]]:
+    """tpfuser module -> the tpfuser modules its top-level imports run (their packages included);
+    type_only: those under `if TYPE_CHECKING:` too."""
     modules = _modules(ROOT)
     graph = {}
     for name, path in modules.items():
         edges = set()
-        for _, imported in _imports(path, name, top_only=True):
+        for _, imported in _imports(path, name, top_only=True, type_only=type_only):
             parts = imported.split(".")
             edges |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)} & modules.keys()
         graph[name] = edges - {name}
@@ -189,6 +190,11 @@ def reference_imports_from_the_package() -> list[str]:
 def test_no_import_circle_among_the_packages_modules():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_no_import_circle_even_through_type_only_imports():
+    cycle = find_cycle(import_graph(type_only=True))
+    assert cycle is None, "import circle (type-only imports included): " + " -> ".join(cycle)
 
 
 def test_top_level_imports_go_down_the_layers():
