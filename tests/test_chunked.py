@@ -122,3 +122,13 @@ def test_the_reducescatter_ring_gives_each_rank_its_part_of_the_sequence_summed(
         return [sum(a[0, r] @ wr.T for a, wr in zip(ins, ws)).unsqueeze(0) for r in range(TP)]
     for out, want in zip(_ring("reducescatter", xs, executor), (x @ w.T).chunk(TP, dim=1)):
         torch.testing.assert_close(out, want)
+
+
+def test_a_ring_takes_its_input_in_any_memory_order():
+    """A fusion may hand the next its output laid out otherwise (flash attention's order, say)."""
+    torch.manual_seed(5)
+    a = torch.randn(B, K, S, dtype=torch.float64).transpose(1, 2)    # [b, s, k], not contiguous
+    into = torch.empty(ring_input_shape("reducescatter", a.shape, TP), dtype=a.dtype)
+    ring_input("reducescatter", a, TP, into)
+    for j in range(TP):   # step j: every batch row's part j of the sequence
+        torch.testing.assert_close(into[0, j].view(B, S // TP, K), a[:, j * S // TP:(j + 1) * S // TP])

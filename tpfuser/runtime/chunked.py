@@ -303,7 +303,7 @@ def ring_input(kind: str, a: torch.Tensor, tp: int, into: torch.Tensor) -> torch
     if kind == "allgather":
         return into.view_as(a).copy_(a)
     b, s, k = a.shape
-    into.view(tp, b, s // tp, k).copy_(a.view(b, tp, s // tp, k).transpose(0, 1))
+    into.view(tp, b, s // tp, k).copy_(a.reshape(b, tp, s // tp, k).transpose(0, 1))   # (a copy where a is strided)
     return into
 
 
