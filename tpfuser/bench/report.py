@@ -58,6 +58,28 @@ def add_ratios(rows: dict) -> str | None:
     return best
 
 
+def roofline_lines(roof: dict, w: int, top: int = 4) -> list[str]:
+    """An implementation's time per call by kernel kind (against the floor's
+    FLOPs of that kind), its idle gaps, and its longest kernels against their
+    work where it is known (bench/roofline.py)."""
+    kinds = []
+    for kind, k in roof["kinds"].items():
+        part = f"{kind} {k['ms_per_call']:.3f} ms"
+        if "ratio" in k:
+            part += f" ({k['ratio']:.2f}x its floor)"
+        elif k["unknown_ms_per_call"]:
+            part += f" ({k['unknown_ms_per_call']:.3f} of unknown work)"
+        kinds.append(part)
+    g = roof["gaps"]
+    lines = [f"{'':<{w}}by kind: " + ", ".join(kinds) + f"; idle gaps {g['sum_ms_per_call']:.3f} ms "
+             f"({g['count_per_call']:.0f} a call, largest {g['largest_ms']:.3f})"]
+    for k in roof["kernels"][:top]:
+        against = (f"{k['ratio']:.2f}x its {k['basis'].replace('_', ' ')} at the measured rate" if "ratio" in k
+                   else "work " + k["basis"])
+        lines.append(f"{'':<{w}}  {k['name'][:56]:<56} {k['kind']:<10}{k['ms_per_call']:>8.3f} ms  {against}")
+    return lines
+
+
 def format_table(rep: dict) -> str:
     w = max([24, *(len(n) + 1 for n in (*rep["results"], *rep.get("failed", {})))])   # impl@schedule names
     lines = [f"{rep['preset']} {rep['pass']} on {rep['gpu']} (mesh {rep['mesh']}): "
@@ -93,6 +115,8 @@ def format_table(rep: dict) -> str:
                          ", ".join(f"{k[:40]} {ms:.3f}" for k, ms in p["top_kernels_ms_per_call"][:3]) +
                          ("; idle most before: " + ", ".join(f"{k[:40]} {ms:.3f}" for k, ms in p["idle_before_ms_per_call"])
                           if p.get("idle_before_ms_per_call") else ""))
+            if "roofline" in p:
+                lines += roofline_lines(p["roofline"], w)
     warm = rep.get("warmup_s")
     if warm:
         lines.append(f"warm-up {warm['total_s']:.1f} s (building {warm['built_s']:.1f}, then each: "
