@@ -81,7 +81,7 @@ def roofline_lines(roof: dict, w: int, top: int = 4) -> list[str]:
 
 
 def format_table(rep: dict) -> str:
-    w = max([24, *(len(n) + 1 for n in (*rep["results"], *rep.get("failed", {})))])   # impl@schedule names
+    w = max([24, *(len(n) + 1 for n in (*rep["results"], *rep.get("failed", {}), *rep.get("skipped", {})))])
     lines = [f"{rep['preset']} {rep['pass']} on {rep['gpu']} (mesh {rep['mesh']}): "
              f"floor {rep['compute_floor_ms']:.3f} ms at {rep['matmul_tflops_measured']:.0f} TFLOP/s measured"
              + (f"; copy {rep['copy_gbps_measured']:.0f} GB/s" if "copy_gbps_measured" in rep else "")
@@ -107,6 +107,10 @@ def format_table(rep: dict) -> str:
         lines.append(line)
     for name, why in rep.get("failed", {}).items():
         lines.append(f"{name:<{w}}failed: {why[:160]}")
+    for name, why in rep.get("skipped", {}).items():
+        lines.append(f"{name:<{w}}skipped: {why}")
+    if rep.get("thunder"):
+        lines.append(f"thunder: {rep['thunder']}")
     for name, r in rep["results"].items():
         if "profile" in r:
             p = r["profile"]

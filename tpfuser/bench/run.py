@@ -19,6 +19,10 @@ compile-reduce-overhead (torch.compile's CUDA-graph mode); the table gives each
 implementation's ratio to eager and to the fastest peer (benchreport.add_ratios),
 and in a training step the memory a graph's pool holds and what every
 implementation left the allocator holding (reserved, from an emptied cache).
+More peers a user would pick, by --impl: compile-max-autotune (torch.compile's
+max-autotune mode, its CUDA graphs too), thunder and thunder-graph (Thunder with
+its nvFuser executor, and its CUDA-graph transform: bench/thunder_peer.py, an
+optional extra, skipped in one line where it is not installed).
 
 --profile: what each call's time goes to, kernel by kernel, against what its
 work takes at the rates measured here, and the GPU's idle gaps between kernels
@@ -33,11 +37,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from tpfuser.bench.impls import check_impls, default_impls, forward_fns, train_fns
+from tpfuser.bench.impls import check_impls, default_impls, forward_fns, train_fns, unavailable
 from tpfuser.bench.measure import (CALLS_PER_SAMPLE, allreduce_busbw, comm_floor_ms, copy_bandwidth, failure,
                                    kernel_summary, matmul_rate, profile_kernels, profile_launches, sample)
 from tpfuser.bench.report import add_ratios
 from tpfuser.bench.roofline import roofline
+from tpfuser.bench.thunder_peer import THUNDER_IMPLS, thunder_note
 from tpfuser.config import Layout, preset
 from tpfuser.parallel.placements import collectives, forward_flops, placements
 from tpfuser.parallel.schedules import default_schedule, load_schedule
@@ -72,6 +77,10 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
     check_impls(impls, layout, train, schedule, cfg)
     if not torch.cuda.is_available():
         raise RuntimeError("benchmarking needs a CUDA GPU")
+    skipped = {impl: why for impl in impls if (why := unavailable(impl))}   # an optional peer not installed
+    impls = tuple(impl for impl in impls if impl not in skipped)
+    if not impls:
+        raise RuntimeError("nothing to time: " + "; ".join(f"{impl}: {why}" for impl, why in skipped.items()))
     ref = make_block(cfg, dtype=torch.bfloat16, device="cuda")
     x = local_slice(make_input(cfg, dtype=torch.bfloat16, device="cuda"), placements(layout)["x"], layout, rank)
     memory, failed = {}, {}
@@ -154,8 +163,11 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
                      + "; host_ms: the median time to issue a call (rank 0's)",
            "matmul_tflops_measured": rate / 1e12, "copy_gbps_measured": bandwidth / 1e9, "matmul_gflop": flops / 1e9,
            "compute_floor_ms": floor_ms, "best_peer": best_peer, "results": rows, "failed": failed,
+           "skipped": skipped,
            "warmup_s": warm,
            "schedule": schedule.as_dict()}
+    if any(impl in rows for impl in THUNDER_IMPLS):   # (Thunder imported: one of its peers ran)
+        rep["thunder"] = thunder_note()
     if schedule.chunked() and torch.cuda.device_count() < layout.world_size:
         rep["note"] = ("ranks share a GPU: the times say what chunking costs the GEMMs at a rank's shapes, "
                        "not what overlap gains")
