@@ -83,7 +83,7 @@ def test_each_kernel_against_its_work_at_the_measured_rates():
     lines = roofline_lines(r, 24)
     assert len(lines) == 5   # the kinds, then the four longest kernels
     assert lines[0].split("by kind: ")[1] == ("gemm 0.104 ms (10.40x its floor), other 0.030 ms (0.020 of unknown "
-                                              "work); idle gaps 0.016 ms (2 a call, largest 0.010)")
+                                              "work); idle gaps 0.016 ms (2.0 a call, largest 0.010)")
     assert lines[2].endswith("work unknown") and lines[3].endswith("2.38x its input bytes at the measured rate")
 
 

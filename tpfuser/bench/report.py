@@ -72,7 +72,7 @@ def roofline_lines(roof: dict, w: int, top: int = 4) -> list[str]:
         kinds.append(part)
     g = roof["gaps"]
     lines = [f"{'':<{w}}by kind: " + ", ".join(kinds) + f"; idle gaps {g['sum_ms_per_call']:.3f} ms "
-             f"({g['count_per_call']:.0f} a call, largest {g['largest_ms']:.3f})"]
+             f"({g['count_per_call']:.1f} a call, largest {g['largest_ms']:.3f})"]
     for k in roof["kernels"][:top]:
         against = (f"{k['ratio']:.2f}x its {k['basis'].replace('_', ' ')} at the measured rate" if "ratio" in k
                    else "work " + k["basis"])
