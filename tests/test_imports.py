@@ -55,7 +55,8 @@ LAYERS = (("tpfuser", "tpfuser.config", "tpfuser.outputs"), ("tpfuser.block",), 
           ("tpfuser.cli", "tpfuser.bench.__main__"))
 # What a function may import (deferred, with its reason at the module's top): the
 # heavy or optional dependencies, and the modules that import nvFuser (NVFUSER_MODULES).
-DEFERRABLE = ("nvfuser_direct", "torch.distributed", "torch.profiler", "matplotlib", "transformers", "triton")
+DEFERRABLE = ("nvfuser_direct", "torch.distributed", "torch.profiler", "matplotlib", "transformers", "triton",
+              "thunder")   # (thunder: lightning-thunder, an optional peer of the bench)
 # The package's modules that import nvFuser at their top (directly or through another).
 NVFUSER_MODULES = {"tpfuser.block.backward", "tpfuser.block.forward", "tpfuser.block.inputs", "tpfuser.block.ops",
                    "tpfuser.block.pieces", "tpfuser.parallel.overlapped", "tpfuser.parallel.ring", "tpfuser.parallel.schedule",

@@ -11,6 +11,10 @@
 #           half); bounds TRAIN_S, BENCH_S, GPT3_S (the graph peers add torch.compile's and the
 #           captures' time); TRAIN_IMPLS, BENCH_IMPLS, GPT3_IMPLS: --impl for each (default: the
 #           bench's); the GPU's clocks and power sampled meanwhile (clocks_<step>.csv)
+#   peers, peersgpt3  benchmarks against the peers a user would pick (torch.compile max-autotune, Thunder:
+#           its wheels installed first, INSTALL.txt beside them), with --profile (each kernel against its work,
+#           the idle gaps): nanogpt fwd then fwd+bwd; gpt3 fwd. PEERS_IMPLS, PEERS_TRAIN_IMPLS, PEERS_GPT3_IMPLS:
+#           --impl for each; bounds PEERS_S, PEERS_TRAIN_S, PEERS_GPT3_S (max-autotune tunes GEMMs for minutes)
 #   bisect  the meshed backward in each of BISECT_DTYPES ("bf16 fp32") at once, bound BISECT_S,
 #           BISECT_EACH=1 then each output alone of a failing one
 #   mesh    every mesh checked to the end, forward and backward, its ranks sharing the GPU
@@ -175,6 +179,20 @@ step_gpt3() {
   echo "== benchmark: gpt3 forward at 1x1 (fewer samples: ~11 ms a call)"
   clocks gpt3 T ${GPT3_S:-300} -- python3 -m tpfuser.bench --preset gpt3 --profile --json "$OUT/bench_gpt3.json" \
     --iters $(((${ITERS:-30} + 1) / 2)) ${GPT3_IMPLS:+--impl "$GPT3_IMPLS"} 2>&1 | tee "$OUT/gpt3.log"
+}
+PEERS="compile-reduce-overhead,compile-max-autotune,thunder,thunder-graph"
+step_peers() {
+  echo "== benchmark: nanogpt forward, then its training step, against torch.compile max-autotune and Thunder, profiled"
+  clocks peers T ${PEERS_S:-240} -- python3 -m tpfuser.bench --preset nanogpt --profile --json "$OUT/bench_peers_nanogpt.json" \
+    --iters $((${ITERS:-30} * 3)) --impl "${PEERS_IMPLS:-nvfuser-graph,nvfuser,eager,$PEERS,gemms,gemms+attention}" 2>&1 | tee "$OUT/peers.log"
+  clocks peers_train T ${PEERS_TRAIN_S:-360} -- python3 -m tpfuser.bench --preset nanogpt --train --profile \
+    --json "$OUT/bench_peers_nanogpt_train.json" --iters ${ITERS:-30} \
+    --impl "${PEERS_TRAIN_IMPLS:-nvfuser-graph,nvfuser,eager,$PEERS}" 2>&1 | tee "$OUT/peers_train.log"
+}
+step_peersgpt3() {
+  echo "== benchmark: gpt3 forward against torch.compile max-autotune and Thunder, profiled"
+  clocks peersgpt3 T ${PEERS_GPT3_S:-300} -- python3 -m tpfuser.bench --preset gpt3 --profile --json "$OUT/bench_peers_gpt3.json" \
+    --iters $(((${ITERS:-30} + 1) / 2)) --impl "${PEERS_GPT3_IMPLS:-nvfuser-graph,eager,$PEERS}" 2>&1 | tee "$OUT/peersgpt3.log"
 }
 
 step_startup() {

@@ -53,7 +53,7 @@ if os.path.exists(mesh):
             rows.append((f"mesh {tag} {dtype}", "NOT RUN: the job ended first"))
         if "cases" not in m:
             rows.append((f"mesh {tag}", f"exit {m['rc']}: {m.get('error')}"))
-for which in ("nanogpt", "gpt3", "nanogpt_train"):
+for which in ("nanogpt", "gpt3", "nanogpt_train", "peers_nanogpt", "peers_nanogpt_train", "peers_gpt3"):
     path = os.path.join(out, f"bench_{which}.json")
     if not os.path.exists(path):
         continue
@@ -76,6 +76,8 @@ for which in ("nanogpt", "gpt3", "nanogpt_train"):
                          f"{p['kernel_ms_per_call']:.3f} ms, idle {p['idle_ms_per_call']:.3f} ms"))
     for name, why in b.get("failed", {}).items():
         rows.append((f"bench {which} {name}", f"FAILED: {why[:150]}"))
+    for name, why in b.get("skipped", {}).items():   # an optional peer not installed
+        rows.append((f"bench {which} {name}", f"skipped: {why}"))
     if b.get("warmup_s"):   # (reports since the third session of 2026-12-04)
         w = b["warmup_s"]
         rows.append((f"bench {which} warm-up", f"{w['total_s']:.1f} s (building {w['built_s']:.1f}; "

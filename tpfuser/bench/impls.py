@@ -1,7 +1,7 @@
 """The implementations the benchmark times, each a callable of one call (a
 forward, or a training step): nvFuser's block under a schedule, called and
 replayed from CUDA graphs, and its peers (eager PyTorch, torch.compile with and
-without its CUDA-graph mode, DTensor's tensor parallelism), all on the
+without its CUDA graphs, DTensor's tensor parallelism, Thunder), all on the
 reference block's weights."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from tpfuser.bench.measure import failure, saved_activation_bytes
 from tpfuser.bench.peers import dtensor_block
 from tpfuser.bench.report import WORK_ONLY
+from tpfuser.bench.thunder_peer import THUNDER_IMPLS, thunder_forward, thunder_missing
 from tpfuser.config import Layout
 from tpfuser.dist.world import sum_over_group
 from tpfuser.parallel.schedules import known_failure, load_schedule
@@ -31,7 +32,11 @@ from tpfuser.verify.reference import sdpa_forward
 # GEMMs and attention take under the conditions the block runs in (the floor
 # itself is measured apart, after the loop: matmul_rate). Never a peer.
 IMPLS = ("nvfuser", "nvfuser-graph", "nvfuser-graph-fm", "nvfuser-nomesh",
-         "eager", "eager-graph", "compile", "compile-reduce-overhead", "dtensor", *WORK_ONLY)
+         "eager", "eager-graph", "compile", "compile-reduce-overhead", "compile-max-autotune", "dtensor",
+         *THUNDER_IMPLS, *WORK_ONLY)
+# torch.compile's modes with its CUDA graphs (graph trees); max-autotune, by --impl only as
+# Thunder's (bench/thunder_peer.py), also tunes its GEMM and Triton kernels at the first call.
+GRAPH_TREES = {"compile-reduce-overhead": "reduce-overhead", "compile-max-autotune": "max-autotune"}
 
 # nvFuser's block under the bench's schedule, called (NVFUSER_CALLED) and
 # replayed from a CUDA graph (NVFUSER_GRAPHED; runtime/graphs.py), each with
@@ -139,15 +144,20 @@ def _step_offsets():
     return itertools.cycle(range(100_000))
 
 
-def _reduce_overhead(ref, x, p):
-    """The reference block's forward under torch.compile's CUDA-graph mode; each
-    call marked a new step for its graph trees (no earlier step's outputs or
-    pending backward kept)."""
-    reduced = torch.compile(sdpa_forward, mode="reduce-overhead")
+def unavailable(impl: str) -> str | None:
+    """Why an implementation cannot be built here (the bench skips it, in one line), or None."""
+    return thunder_missing() if impl in THUNDER_IMPLS else None
+
+
+def _graph_trees(ref, x, p, impl):
+    """The reference block's forward under a torch.compile mode with its CUDA
+    graphs (GRAPH_TREES); each call marked a new step for its graph trees (no
+    earlier step's outputs or pending backward kept)."""
+    compiled = torch.compile(sdpa_forward, mode=GRAPH_TREES[impl])
 
     def call():
         torch.compiler.cudagraph_mark_step_begin()
-        return reduced(ref, x, p)
+        return compiled(ref, x, p)
     return call
 
 
@@ -170,11 +180,15 @@ def forward_fns(cfg, ref, x, impls, layout, rank, groups, schedule):
     if "compile" in impls:
         compiled = torch.compile(sdpa_forward)
         fns["compile"] = lambda: compiled(ref, x, cfg.dropout)
-    if "compile-reduce-overhead" in impls:
-        fns["compile-reduce-overhead"] = _reduce_overhead(ref, x, cfg.dropout)
+    for impl in GRAPH_TREES:
+        if impl in impls:
+            fns[impl] = _graph_trees(ref, x, cfg.dropout, impl)
     if "dtensor" in impls:
         block = dtensor_block(ref, groups.tp_mesh)
         fns["dtensor"] = lambda: sdpa_forward(block, x, cfg.dropout, heads_interleaved=True)
+    for impl, graphs in THUNDER_IMPLS.items():
+        if impl in impls:
+            fns[impl] = thunder_forward(ref, cfg.dropout, graphs, x)
     for impl in WORK_ONLY:
         if impl in impls:
             fns[impl] = _work_fn(cfg, ref, attention=impl == "gemms+attention")
@@ -240,8 +254,12 @@ def train_fns(cfg, ref, x, impls, layout, rank, groups, schedule):
     if "compile" in impls:
         compiled = torch.compile(sdpa_forward)
         forwards["compile"] = (lambda: compiled(ref, x, cfg.dropout), params, True)
-    if "compile-reduce-overhead" in impls:
-        forwards["compile-reduce-overhead"] = (_reduce_overhead(ref, x, cfg.dropout), params, True)
+    for impl in GRAPH_TREES:
+        if impl in impls:
+            forwards[impl] = (_graph_trees(ref, x, cfg.dropout, impl), params, True)
+    for impl, graphs in THUNDER_IMPLS.items():   # (its parameters are the reference block's)
+        if impl in impls:
+            forwards[impl] = (thunder_forward(ref, cfg.dropout, graphs, x), params, True)
     if "dtensor" in impls:
         block = dtensor_block(ref, groups.tp_mesh)
         forwards["dtensor"] = (lambda: sdpa_forward(block, x, cfg.dropout, heads_interleaved=True), list(block.parameters()), True)
@@ -259,7 +277,7 @@ def train_fns(cfg, ref, x, impls, layout, rank, groups, schedule):
         except Exception as e:  # e.g. nvFuser failing to compile: report it, time the others
             failed[impl] = failure(e)
             continue
-        if impl != "compile-reduce-overhead":   # a forward left without its backward upsets its graph trees
+        if impl not in (*GRAPH_TREES, "thunder-graph"):   # a forward left without its backward upsets their graphs
             memory[impl]["saved_activation_mib"] = saved_activation_bytes(fwd, ps) / 2**20
         fns[impl] = step
     graphed = _graphed_train_fns(cfg, ref, x, grad, impls, layout, rank, groups, schedule)

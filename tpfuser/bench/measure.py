@@ -4,6 +4,7 @@ copies, all-reduce bus bandwidth) and the profile of what a call's time goes to.
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 
@@ -155,3 +156,34 @@ def profile_kernels(fn, calls: int) -> list[tuple[str, float, float]]:
         torch.cuda.synchronize()
     return [(e.name, e.time_range.elapsed_us(), e.time_range.start) for e in prof.events()
             if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def profile_launches(fn, calls: int) -> list[tuple]:
+    """(kernel name, op, op id, input shapes, dtypes) of each GPU activity of
+    `calls` calls of fn, in start order: the ATen op that launched it, as the
+    profiler links them (as its key_averages does), recorded with shapes; op
+    None where no op launched it (a graph replay, nvFuser's own launches). A
+    pass of its own: recording ops and shapes costs host time, which would
+    widen the timed pass's gaps (profile_kernels)."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return linked_launches(prof.profiler.kineto_results.events())
+
+
+def linked_launches(events) -> list[tuple]:
+    """profile_launches' records from the profiler's kineto events: each GPU
+    activity with the CPU op whose correlation id is its linked one."""
+    cpu, gpu = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    ops = {}
+    for e in events:   # CUDA's own host calls (cudaLaunchKernel, cuLaunchKernel) number theirs apart: not ops
+        if e.device_type() == cpu and not e.is_async() and not re.match(r"cu(da)?[A-Z]", e.name()):
+            ops[e.correlation_id()] = e
+    out = []
+    for e in sorted((e for e in events if e.device_type() == gpu), key=lambda e: e.start_ns()):
+        op = ops.get(e.linked_correlation_id()) if e.linked_correlation_id() > 0 else None
+        out.append((e.name(), op.name() if op else None, e.linked_correlation_id() if op else None,
+                    [list(s) for s in op.shapes()] if op else None, list(op.dtypes()) if op else None))
+    return out

@@ -58,8 +58,30 @@ def add_ratios(rows: dict) -> str | None:
     return best
 
 
+def roofline_lines(roof: dict, w: int, top: int = 4) -> list[str]:
+    """An implementation's time per call by kernel kind (against the floor's
+    FLOPs of that kind), its idle gaps, and its longest kernels against their
+    work where it is known (bench/roofline.py)."""
+    kinds = []
+    for kind, k in roof["kinds"].items():
+        part = f"{kind} {k['ms_per_call']:.3f} ms"
+        if "ratio" in k:
+            part += f" ({k['ratio']:.2f}x its floor)"
+        elif k["unknown_ms_per_call"]:
+            part += f" ({k['unknown_ms_per_call']:.3f} of unknown work)"
+        kinds.append(part)
+    g = roof["gaps"]
+    lines = [f"{'':<{w}}by kind: " + ", ".join(kinds) + f"; idle gaps {g['sum_ms_per_call']:.3f} ms "
+             f"({g['count_per_call']:.1f} a call, largest {g['largest_ms']:.3f})"]
+    for k in roof["kernels"][:top]:
+        against = (f"{k['ratio']:.2f}x its {k['basis'].replace('_', ' ')} at the measured rate" if "ratio" in k
+                   else "work " + k["basis"])
+        lines.append(f"{'':<{w}}  {k['name'][:56]:<56} {k['kind']:<10}{k['ms_per_call']:>8.3f} ms  {against}")
+    return lines
+
+
 def format_table(rep: dict) -> str:
-    w = max([24, *(len(n) + 1 for n in (*rep["results"], *rep.get("failed", {})))])   # impl@schedule names
+    w = max([24, *(len(n) + 1 for n in (*rep["results"], *rep.get("failed", {}), *rep.get("skipped", {})))])
     lines = [f"{rep['preset']} {rep['pass']} on {rep['gpu']} (mesh {rep['mesh']}): "
              f"floor {rep['compute_floor_ms']:.3f} ms at {rep['matmul_tflops_measured']:.0f} TFLOP/s measured"
              + (f"; copy {rep['copy_gbps_measured']:.0f} GB/s" if "copy_gbps_measured" in rep else "")
@@ -85,6 +107,10 @@ def format_table(rep: dict) -> str:
         lines.append(line)
     for name, why in rep.get("failed", {}).items():
         lines.append(f"{name:<{w}}failed: {why[:160]}")
+    for name, why in rep.get("skipped", {}).items():
+        lines.append(f"{name:<{w}}skipped: {why}")
+    if rep.get("thunder"):
+        lines.append(f"thunder: {rep['thunder']}")
     for name, r in rep["results"].items():
         if "profile" in r:
             p = r["profile"]
@@ -93,6 +119,8 @@ def format_table(rep: dict) -> str:
                          ", ".join(f"{k[:40]} {ms:.3f}" for k, ms in p["top_kernels_ms_per_call"][:3]) +
                          ("; idle most before: " + ", ".join(f"{k[:40]} {ms:.3f}" for k, ms in p["idle_before_ms_per_call"])
                           if p.get("idle_before_ms_per_call") else ""))
+            if "roofline" in p:
+                lines += roofline_lines(p["roofline"], w)
     warm = rep.get("warmup_s")
     if warm:
         lines.append(f"warm-up {warm['total_s']:.1f} s (building {warm['built_s']:.1f}, then each: "

@@ -18,7 +18,15 @@ new masks each replay), eager-graph (eager captured by hand) and
 compile-reduce-overhead (torch.compile's CUDA-graph mode); the table gives each
 implementation's ratio to eager and to the fastest peer (benchreport.add_ratios),
 and in a training step the memory a graph's pool holds and what every
-implementation left the allocator holding (reserved, from an emptied cache)."""
+implementation left the allocator holding (reserved, from an emptied cache).
+More peers a user would pick, by --impl: compile-max-autotune (torch.compile's
+max-autotune mode, its CUDA graphs too), thunder and thunder-graph (Thunder with
+its nvFuser executor, and its CUDA-graph transform: bench/thunder_peer.py, an
+optional extra, skipped in one line where it is not installed).
+
+--profile: what each call's time goes to, kernel by kernel, against what its
+work takes at the rates measured here, and the GPU's idle gaps between kernels
+(bench/roofline.py)."""
 
 from __future__ import annotations
 
@@ -29,10 +37,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from tpfuser.bench.impls import check_impls, default_impls, forward_fns, train_fns
+from tpfuser.bench.impls import check_impls, default_impls, forward_fns, train_fns, unavailable
 from tpfuser.bench.measure import (CALLS_PER_SAMPLE, allreduce_busbw, comm_floor_ms, copy_bandwidth, failure,
-                                   kernel_summary, matmul_rate, profile_kernels, sample)
+                                   kernel_summary, matmul_rate, profile_kernels, profile_launches, sample)
 from tpfuser.bench.report import add_ratios
+from tpfuser.bench.roofline import roofline
+from tpfuser.bench.thunder_peer import THUNDER_IMPLS, thunder_note
 from tpfuser.config import Layout, preset
 from tpfuser.parallel.collectives import forward_collectives
 from tpfuser.parallel.placements import forward_flops, placements
@@ -68,6 +78,10 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
     check_impls(impls, layout, train, schedule, cfg)
     if not torch.cuda.is_available():
         raise RuntimeError("benchmarking needs a CUDA GPU")
+    skipped = {impl: why for impl in impls if (why := unavailable(impl))}   # an optional peer not installed
+    impls = tuple(impl for impl in impls if impl not in skipped)
+    if not impls:
+        raise RuntimeError("nothing to time: " + "; ".join(f"{impl}: {why}" for impl, why in skipped.items()))
     ref = make_block(cfg, dtype=torch.bfloat16, device="cuda")
     x = local_slice(make_input(cfg, dtype=torch.bfloat16, device="cuda"), placements(layout)["x"], layout, rank)
     memory, failed = {}, {}
@@ -117,14 +131,19 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
         if profile:
             phase("profiling")
         kernels = {name: profile_kernels(fn, CALLS_PER_SAMPLE) for name, fn in fns.items()} if profile else {}
+        launches = {name: profile_launches(fn, CALLS_PER_SAMPLE) for name, fn in fns.items()} if profile else {}
     times = _slowest_rank(times, layout.world_size)
     phase("the floor's matmul rate")
     rate = matmul_rate(cfg)
     bandwidth = copy_bandwidth()
     # Matmul FLOPs per GPU of the block's work (its global FLOPs over dp * tp);
     # a backward does two matmuls for each of the forward's.
-    flops = forward_flops(cfg, layout)["total"] * (3 if train else 1)
+    per_pass = 3 if train else 1
+    flops = forward_flops(cfg, layout)["total"] * per_pass
     floor_ms = flops / rate * 1e3
+    # The floor's FLOPs by kind, counted as the floor counts them, for each kind's kernels (roofline)
+    attention = forward_flops(cfg, layout)["attention"] * per_pass
+    kind_flops = {"gemm": flops - attention, "attention": attention}
     rows = {}
     for name, ts in times.items():
         med = statistics.median(ts)
@@ -136,6 +155,8 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
         rows[name].update(memory.get(name, {}))
         if name in kernels:
             rows[name]["profile"] = kernel_summary(kernels[name], CALLS_PER_SAMPLE, rows[name]["median_ms"])
+            rows[name]["profile"]["roofline"] = roofline(kernels[name], launches[name], CALLS_PER_SAMPLE, rate,
+                                                         bandwidth, kind_flops)
     rep = {"preset": preset_name, "config": cfg.__dict__, "pass": "forward+backward" if train else "forward",
            "mesh": f"{layout.dp}x{layout.tp}", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "timing": f"CUDA events over {CALLS_PER_SAMPLE} back-to-back calls per sample, {iters} interleaved "
@@ -143,8 +164,11 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
                      + "; host_ms: the median time to issue a call (rank 0's)",
            "matmul_tflops_measured": rate / 1e12, "copy_gbps_measured": bandwidth / 1e9, "matmul_gflop": flops / 1e9,
            "compute_floor_ms": floor_ms, "best_peer": best_peer, "results": rows, "failed": failed,
+           "skipped": skipped,
            "warmup_s": warm,
            "schedule": schedule.as_dict()}
+    if any(impl in rows for impl in THUNDER_IMPLS):   # (Thunder imported: one of its peers ran)
+        rep["thunder"] = thunder_note()
     if schedule.chunked() and torch.cuda.device_count() < layout.world_size:
         rep["note"] = ("ranks share a GPU: the times say what chunking costs the GEMMs at a rank's shapes, "
                        "not what overlap gains")
