@@ -19,15 +19,17 @@ from tpfuser.predict.calibration import CalibrationError, check_sums, default_pa
 from tpfuser.predict.plot import plot_timeline
 from tpfuser.predict.timeline import COMM, COMM_SLOWDOWN_BESIDE_COMPUTE, SLOWDOWN_BESIDE_COMM, predict
 
-# The goal of issue 32: one gpt3 layer at tp 8, per rank, ms.
+# The project's goal: one gpt3 layer at tp 8, per rank, ms.
 GOALS = {("gpt3", 8): {"forward": 1.9, "backward": 4.0}}
-# One GPT-3 layer (12288 wide, 96 heads, 2048 tokens, bf16) on 8xH100, ms (issue 32's anchors).
+# One GPT-3 layer (12288 wide, 96 heads, 2048 tokens, bf16) on 8xH100, ms, each figure's public source
+# (nvFuser's benchmarks of TransformerEngine and of itself; "unsourced": none found for that figure).
+_FUSER = "github.com/NVIDIA/Fuser/pull"
 ANCHORS = {("gpt3", 8): [
-    ("TransformerEngine, TP+SP, overlapped", 2.26, 4.42, "issue 32"),
-    ("TransformerEngine, TP", 2.39, 4.46, "issue 32"),
-    ("TransformerEngine, TP+SP, no overlap", 2.5, 4.58, "issue 32"),
-    ("nvFuser, TP+SP", 2.1, 5.27, "NVIDIA/Fuser issues #5560, #5667"),
-    ("nvFuser, TP (backward)", None, 4.37, "NVIDIA/Fuser PR #4873"),
+    ("TransformerEngine, TP+SP", 2.26, 4.42, f"forward {_FUSER}/3546 (sp-forward, min); backward unsourced"),
+    ("TransformerEngine, TP", 2.39, 4.46, f"forward {_FUSER}/3546 (tp-forward, min); backward unsourced"),
+    ("TransformerEngine, TP+SP, no overlap", 2.5, 4.58, f"{_FUSER}/5560, {_FUSER}/5667"),
+    ("nvFuser, TP+SP", 2.1, 5.27, f"{_FUSER}/5560, {_FUSER}/5667"),
+    ("nvFuser, TP (backward)", None, 4.37, f"{_FUSER}/4873"),
 ]}
 PASSES = ("forward", "backward")
 
@@ -171,7 +173,8 @@ def _format(rep: dict) -> str:
         out.append("STAND-IN calibration (made up for the tests, not measured on a GPU): every time below is a placeholder")
     out.append(f"prediction, one rank: {rep['preset']} at tp {rep['tp']} ({rep['parallelism']}), schedule "
                f"{rep['schedule']}; pieces from {c['path']} ({c['gpu']}, {_clock(c)}, "
-               f"commit {c['commit']}, {c['date']}); collectives from {rep['interconnect']['name']}")
+               f"commit {c['commit']}, {c['date']}); collectives from {rep['interconnect']['name']} "
+               f"({rep['interconnect']['curves']})")
     for kind in PASSES:
         out += [""] + _table(kind, rep[kind], f"ms; 'beside': the slowdown beside a collective, "
                              f"{rep[kind]['slowdown_source']}")
@@ -201,7 +204,7 @@ def _format(rep: dict) -> str:
         out += ["", "anchors, one GPT-3 layer on 8xH100 (ms; theirs ran on H100, these pieces on the calibration's GPU):",
                 f"  {'':<46}{'forward':>9}{'backward':>9}"]
         for name, f, b, src in rep["anchors"]:
-            out.append(f"  {name + ' (' + src + ')':<46}{f if f is not None else '-':>9}{b:>9}")
+            out.append(f"  {name:<46}{f if f is not None else '-':>9}{b:>9}   {src}")
         out.append(f"  {'this prediction: ' + rep['schedule']:<46}{rep['forward']['pass_ms']:9.3f}"
                    f"{rep['backward']['pass_ms']:9.3f}")
     out += ["", _check_line(rep["calibration_check"]), rep["communication_note"]]
@@ -265,9 +268,8 @@ def predict_command(cfg, layout, schedule, args) -> dict:
     key = (args.preset, layout.tp)
     rep = {"preset": args.preset, "tp": layout.tp, "parallelism": "tp+sp" if layout.sp else "tp",
            "schedule": schedule.name, "calibration": cal.summary(),
-           "interconnect": {"name": net.name, "source": net.source,
-                            "tables": {k: {"sizes": list(t.sizes), "busbw_gbps": list(t.busbw_gbps),
-                                           "ranks": t.ranks, "source": t.source} for k, t in net.tables.items()}},
+           "interconnect": {"name": net.name, "source": net.source, "curves": net.curves,
+                            "tables": {k: t.as_dict() for k, t in net.tables.items()}},
            "assumptions": {"slowdown_beside_comm_default": SLOWDOWN_BESIDE_COMM,
                            "comm_slowdown_beside_compute": COMM_SLOWDOWN_BESIDE_COMPUTE,
                            "model": "tpfuser/predict/timeline.py's docstring", "interpolation": "log(busbw) linear in "
