@@ -105,3 +105,98 @@ def test_a_copy_engine_json_table_replaces_the_copy_engine_figures(tmp_path):
     with pytest.raises(ValueError, match="kind expected one of allreduce, allgather, reducescatter, sendrecv, "
                                          "copyengine, got 'p2p'"):
         comm.read_comm_table(f"p2p={path}")
+
+
+# ---------------------------------------------------------------------------
+# The ring's timeline, on hand cases: every piece ~0 (1e-9 ms) but the GEMMs named, every
+# collective but the ring's steps ~0 (a flat 1e9 GB/s), each step P ms over its backend.
+
+from tpfuser.config import preset  # noqa: E402
+from tpfuser.parallel.schedules import SCHEDULES, schedule_from_dict  # noqa: E402
+from tpfuser.predict import timeline  # noqa: E402
+from tpfuser.predict.calibration import PIECES, CalibrationError, Pieces, is_gemm  # noqa: E402
+
+CFG = preset("gpt3")
+
+
+def _pieces(gemm_ms: dict, ratio=None, chunks=(1, 2, 4, 8), gelu_ms=1e-9) -> Pieces:
+    passes = {kind: {p: ({str(c): gemm_ms.get(p, 1e-9) for c in chunks} if is_gemm(p) else 1e-9) for p in pieces}
+              for kind, pieces in PIECES.items()}
+    passes["forward"]["gelu"] = gelu_ms
+    beside = {} if ratio is None else {"forward": {p: {str(c): ratio for c in chunks} for p in gemm_ms}}
+    return Pieces(passes, beside, "test pieces")
+
+
+def _net(step_ms: float, tp: int):
+    """Each ring step (one rank's chunk of gpt3's 48 MiB activation) takes step_ms, NCCL's and the copy engine's."""
+    step_bytes = CFG.batch * CFG.seq * CFG.n_embd * 2 // tp
+    links = {kind: comm.P2PLink(kind, 0.0, step_bytes / (step_ms * 1e-3) / 1e9, "test") for kind in comm.P2P_KINDS}
+    return comm.flat(1e9).replace(links)
+
+
+def _forward(name: str, pieces, step_ms: float, tp: int) -> dict:
+    schedule = SCHEDULES[name]
+    ops, _ = timeline.forward_ops(CFG, schedule.layout(1, tp), schedule, pieces, _net(step_ms, tp))
+    return timeline.summarize(timeline.simulate(ops))
+
+
+def _row(s: dict, piece: str) -> dict:
+    return next(r for r in s["pieces"] if r["piece"] == piece)
+
+
+def _events(s: dict, prefix: str) -> list[dict]:
+    return [e for e in s["events"] if e["name"].startswith(prefix)]
+
+
+@pytest.mark.parametrize("step_ms, pass_ms", [(1.0, 7.0), (3.0, 14.0)], ids=["steps-hidden", "steps-longer"])
+def test_a_two_step_ring_forward_takes_the_time_worked_by_hand(step_ms, pass_ms):
+    """tp 2, mlp.c_fc's GEMM 4 ms (2 a chunk), every step P: attn.c_attn's gather waits its one step (P),
+    attn.c_proj's scatter sends its one partial (P), mlp.c_fc's gather hides its step behind chunk 0
+    (max(P, 2)) then runs chunk 1 (2), mlp.c_proj's scatter sends (P): 2P + max(P, 2) + 2 + P."""
+    s = _forward("megatron-sp-ring-ce", _pieces({"mlp.c_fc": 4.0}), step_ms, 2)
+    assert s["pass_ms"] == pytest.approx(pass_ms, abs=1e-6)
+    assert _row(s, "allgather before mlp.c_fc (ring, CE)")["exposed_ms"] == pytest.approx(max(0.0, step_ms - 2),
+                                                                                          abs=1e-6)
+
+
+def test_the_gather_rings_first_step_waits_for_no_transfer():
+    s = _forward("megatron-sp-ring", _pieces({"mlp.c_fc": 8.0}), 0.5, 4)
+    steps, gemms = _events(s, "allgather before mlp.c_fc"), _events(s, "mlp.c_fc [")
+    assert len(steps) == 3 and len(gemms) == 4   # tp - 1 transfers, tp GEMM chunks
+    assert gemms[0]["start_ms"] == pytest.approx(steps[0]["start_ms"])     # chunk 0 on the rank's own, at once
+    for step, gemm in zip(steps, gemms[1:]):                                # chunk j once step j has brought it
+        assert gemm["start_ms"] >= step["end_ms"] - 1e-9
+    assert _row(s, "allgather before mlp.c_fc (ring, NCCL)")["exposed_ms"] == pytest.approx(0, abs=1e-9)
+
+
+def test_the_scatter_rings_last_send_is_exposed_then_the_partials_are_summed():
+    """tp 4, mlp.c_proj 8 ms (2 a chunk), each send 0.5: sends 1 and 2 hide behind chunks 2 and 3, send 3 is
+    exposed; then the sum of the 4 partials, (4 + 1) x step_bytes at the forward GELU's bytes a second."""
+    gelu_ms = 0.02
+    s = _forward("megatron-sp-ring-ce", _pieces({"mlp.c_proj": 8.0}, gelu_ms=gelu_ms), 0.5, 4)
+    row = _row(s, "reducescatter after mlp.c_proj (ring, CE)")
+    assert row["comm_ms"] == pytest.approx(3 * 0.5) and row["exposed_ms"] == pytest.approx(0.5, abs=1e-6)
+    sends, gemms = _events(s, "reducescatter after mlp.c_proj"), _events(s, "mlp.c_proj [")
+    assert [e["start_ms"] for e in sends] == pytest.approx([g["end_ms"] for g in gemms[1:]])   # chunk 0 is its own
+    rate = 2 * CFG.batch * CFG.seq * (4 * CFG.n_embd // 4) * 2 / (gelu_ms * 1e-3)
+    step_bytes = CFG.batch * CFG.seq * CFG.n_embd * 2 // 4
+    (total,) = _events(s, "sum of the ring's partials after mlp.c_proj")
+    assert total["alone_ms"] == pytest.approx(5 * step_bytes / rate * 1e3)
+    assert total["start_ms"] == pytest.approx(sends[-1]["end_ms"])   # the last partial arrives with the last send
+
+
+def test_the_copy_engine_slows_no_gemm_and_nccl_send_recv_does():
+    pieces = _pieces({"mlp.c_proj": 8.0}, ratio=2.0)   # a GEMM beside an SM-using transfer runs at half speed
+    ce = _forward("megatron-sp-ring-ce", pieces, 0.5, 4)
+    nccl = _forward("megatron-sp-ring", pieces, 0.5, 4)
+    assert ce["slowdown_ms"] == pytest.approx(0, abs=1e-9)
+    # sends 1 and 2, each 0.5 ms beside a chunk that makes half its progress then: 0.25 ms later each
+    assert nccl["slowdown_ms"] == pytest.approx(2 * 0.25, abs=1e-6)
+    assert nccl["pass_ms"] == pytest.approx(ce["pass_ms"] + 0.5, abs=1e-6)
+
+
+def test_a_ring_needs_its_gemms_timed_at_tp_chunks():
+    with pytest.raises(CalibrationError, match="attn.c_attn was timed at chunks 1, 2, 4, the schedule asks 8"):
+        _forward("megatron-sp-ring", _pieces({"mlp.c_fc": 1.0}, chunks=(1, 2, 4)), 0.1, 8)
+    _forward("megatron-sp-ring", _pieces({"mlp.c_fc": 1.0}, chunks=(1, 2, 4)), 0.1, 4)   # tp 4: 4 chunks, timed
+

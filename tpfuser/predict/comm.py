@@ -169,14 +169,16 @@ def _nvlink(name: str) -> Interconnect:
               else published.ALLREDUCE_RING,
               "allgather": published.ALLGATHER_RING, "reducescatter": published.REDUCESCATTER_RING}
     sources = {**published.SOURCES, "allreduce": published.SOURCES["allreduce-nvls" if nvls else "allreduce"]}
-    if name.startswith("h200"):
-        sources = {kind: f"{source}; {published.ON_H200}" for kind, source in sources.items()}
+    sources |= {kind: source for kind, (_, _, source) in (("sendrecv", published.SENDRECV),
+                                                          ("copyengine", published.COPYENGINE))}
+    h200 = name.startswith("h200")
+    if h200:
+        sources = {kind: f"{source}; taken for H200" for kind, source in sources.items()}
     tables = {kind: _table(kind, points[kind], sources[kind]) for kind in KINDS}
-    for kind, (latency, bandwidth, source) in (("sendrecv", published.SENDRECV),
-                                              ("copyengine", published.COPYENGINE)):
-        tables[kind] = P2PLink(kind, latency, bandwidth, source + (f"; {published.ON_H200}"
-                                                                   if name.startswith("h200") else ""))
-    return Interconnect(name, tables, _sources(tables), MULTICAST_ON if nvls else MULTICAST_OFF)
+    for kind, (latency, bandwidth, _) in (("sendrecv", published.SENDRECV), ("copyengine", published.COPYENGINE)):
+        tables[kind] = P2PLink(kind, latency, bandwidth, sources[kind])
+    return Interconnect(name, tables, f"{published.ON_H200}: " * h200 + _sources(tables),
+                        MULTICAST_ON if nvls else MULTICAST_OFF)
 
 
 INTERCONNECTS = {name: _nvlink(name) for name in ("h200-nvlink", "h100-nvlink", "h100-nvlink-nvls")}

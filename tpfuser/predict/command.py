@@ -17,7 +17,7 @@ from tpfuser.parallel.schedules import SCHEDULES
 from tpfuser.predict import comm
 from tpfuser.predict.calibration import CalibrationError, check_sums, default_path, read_calibration
 from tpfuser.predict.plot import plot_timeline
-from tpfuser.predict.timeline import COMM, COMM_SLOWDOWN_BESIDE_COMPUTE, SLOWDOWN_BESIDE_COMM, predict
+from tpfuser.predict.timeline import COMM, COMM_SLOWDOWN_BESIDE_COMPUTE, SLOWDOWN_BESIDE_COMM, pointwise_rate, predict
 
 # The project's goal: one gpt3 layer at tp 8, per rank, ms.
 GOALS = {("gpt3", 8): {"forward": 1.9, "backward": 4.0}}
@@ -153,15 +153,15 @@ def _scaled_to_whole(cfg, layout, schedule, cal, net, preset, check: list[dict],
 
 
 def _table(kind: str, s: dict, title: str) -> list[str]:
-    lines = [f"{kind} ({title})", f"  {'piece':<58}{'compute':>9}{'beside':>9}{'comm':>9}{'exposed':>9}"]
+    lines = [f"{kind} ({title})", f"  {'piece':<64}{'compute':>9}{'beside':>9}{'comm':>9}{'exposed':>9}"]
     cell = lambda v, show: f"{v:9.3f}" if show else " " * 9   # noqa: E731
     for r in s["pieces"]:
         on = r["kind"] != "collective"
         name = r["piece"].replace(" (partial sums over the sequence shards)", " (SP: summed over tp)")
-        lines.append(f"  {name[:58]:<58}{cell(r['compute_ms'], on)}"
+        lines.append(f"  {name[:64]:<64}{cell(r['compute_ms'], on)}"
                      f"{cell(r['slowdown_ms'], on and r['slowdown_ms'] > 5e-4)}"
                      f"{cell(r['comm_ms'], not on)}{cell(r['exposed_ms'], not on)}")
-    lines.append(f"  {'total':<58}{s['compute_ms']:9.3f}{s['slowdown_ms']:9.3f}{s['comm_ms']:9.3f}{s['exposed_ms']:9.3f}"
+    lines.append(f"  {'total':<64}{s['compute_ms']:9.3f}{s['slowdown_ms']:9.3f}{s['comm_ms']:9.3f}{s['exposed_ms']:9.3f}"
                  f"   {kind} {s['pass_ms']:.3f} ms")
     return lines
 
@@ -207,7 +207,8 @@ def _format(rep: dict) -> str:
             out.append(f"  {name:<46}{f if f is not None else '-':>9}{b:>9}   {src}")
         out.append(f"  {'this prediction: ' + rep['schedule']:<46}{rep['forward']['pass_ms']:9.3f}"
                    f"{rep['backward']['pass_ms']:9.3f}")
-    out += ["", _check_line(rep["calibration_check"]), rep["communication_note"]]
+    out += ["", _check_line(rep["calibration_check"]), rep["communication_note"]] + [rep["ring_note"]] * bool(
+        rep["ring_note"])
     if rep.get("compare"):
         out += ["", *_compare_lines(rep)]
     return "\n".join(out)
@@ -247,7 +248,7 @@ def _compare(cfg, layout, cal, net, preset) -> list[dict]:
 
 def _compare_lines(rep: dict) -> list[str]:
     lines = [f"every named schedule, {rep['preset']} at tp {rep['tp']} (ms per rank; * the fastest; schedules that "
-             f"differ only in fusion cuts, masks or options predict the same: the model sees styles and chunks):",
+             f"differ only in fusion cuts, masks or options predict the same: the model sees styles, chunks and rings):",
              f"  {'schedule':<30}{'':<6}{'forward':>10}{'backward':>10}{'step':>10}{'exposed fwd / bwd':>20}"]
     for r in rep["compare"]:
         if "error" in r:
@@ -262,8 +263,21 @@ def _compare_lines(rep: dict) -> list[str]:
     return lines
 
 
+def _ring_note(net, rate: float) -> str:
+    """How a ring's steps and its local sum are timed, in words."""
+    def link(t) -> str:
+        if isinstance(t, comm.P2PLink):
+            return f"{t.latency_us:.2f} us + bytes / {t.bandwidth_gbps:g} GB/s"
+        return f"a table of {len(t.sizes)} sizes, {min(t.busbw_gbps):g}-{max(t.busbw_gbps):g} GB/s"
+    return (f"rings (SP): each step one P2P send of a rank's chunk over one NVLink path: NCCL send/recv "
+            f"{link(net.tables['sendrecv'])}, the copy engine {link(net.tables['copyengine'])}; beside the copy "
+            f"engine a GEMM runs at full speed (it takes no SMs; assumed: its memory traffic slows no GEMM); the tp "
+            f"partials' local sum at the forward GELU's {rate / 1e12:.2f} TB/s (the calibration's)")
+
+
 def predict_command(cfg, layout, schedule, args) -> dict:
     cal, net = _inputs(cfg, layout, args)
+    rate = pointwise_rate(cal.pieces(args.preset, layout.tp, layout.sp), cfg, layout.tp)
     result = _one(cfg, layout, schedule, cal, net, args.preset)
     key = (args.preset, layout.tp)
     rep = {"preset": args.preset, "tp": layout.tp, "parallelism": "tp+sp" if layout.sp else "tp",
@@ -273,11 +287,13 @@ def predict_command(cfg, layout, schedule, args) -> dict:
            "assumptions": {"slowdown_beside_comm_default": SLOWDOWN_BESIDE_COMM,
                            "comm_slowdown_beside_compute": COMM_SLOWDOWN_BESIDE_COMPUTE,
                            "model": "tpfuser/predict/timeline.py's docstring", "interpolation": "log(busbw) linear in "
-                           "log(size), time held below the smallest size, busbw held above the largest"},
+                           "log(size), time held below the smallest size, busbw held above the largest",
+                           "slowdown_beside_copy_engine": 1.0, "ring_sum_bytes_per_s": rate},
            **result, "anchors": ANCHORS.get(key, []), "calibration_check": check_sums(cal, args.preset),
            "communication_checked": False,
            "communication_note": f"communication: not checked (one GPU cannot run a collective over tp); its "
-                                 f"times come from {net.name}: {net.source}"}
+                                 f"times come from {net.name}: {net.source}",
+           "ring_note": _ring_note(net, rate) if layout.sp else ""}
     if key in GOALS:
         goal = GOALS[key]
         rep["goal"] = {**goal, "in_the_way": {k: in_the_way(result[k], goal[k]) for k in PASSES},

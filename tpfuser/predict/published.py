@@ -61,8 +61,8 @@ SOURCES = {
                       f"({NVLS_RUN}/all_reduce_nvls.out); below 1 MiB the ring run's 64-256 KiB "
                       f"({RING_RUN}/all_reduce_ring.out)",
 }
-ON_H200 = ("measured on H100 SXM, taken for H200 SXM: the same NVLink 4 (18 links, 900 GB/s a GPU) and "
-           "NVSwitch; no public 8xH200 figures for it were found; replace with nccl-tests output from the "
+ON_H200 = ("every table measured on H100 SXM, taken for H200 SXM: the same NVLink 4 (18 links, 900 GB/s a GPU) "
+           "and NVSwitch; no public 8xH200 figures were found; replace them with nccl-tests output from the "
            "machine (--comm-table)")
 
 # P2P, per direction between two GPUs of one NVSwitch node: (latency in us, bandwidth in GB/s, source).
