@@ -200,3 +200,22 @@ def test_a_ring_needs_its_gemms_timed_at_tp_chunks():
         _forward("megatron-sp-ring", _pieces({"mlp.c_fc": 1.0}, chunks=(1, 2, 4)), 0.1, 8)
     _forward("megatron-sp-ring", _pieces({"mlp.c_fc": 1.0}, chunks=(1, 2, 4)), 0.1, 4)   # tp 4: 4 chunks, timed
 
+
+def test_compare_takes_the_rings_and_a_schedule_file_of_the_layouts_parallelism(capsys):
+    from tests.test_predict import STANDIN, _args
+    from tpfuser.predict.command import predict_command
+    mine = schedule_from_dict({"base": "megatron-sp", "name": "mlp-ring-ce", "linears": {
+        linear: {"overlap": "ring", "collective": "cuda"} for linear in ("mlp.c_fc", "mlp.c_proj")}})
+    rep = predict_command(CFG, mine.layout(1, 8), mine, _args("--calibration", STANDIN, "--compare"))
+    rows = {r["schedule"]: r for r in rep["compare"]}
+    assert {"megatron-sp-ring", "megatron-sp-ring-ce", "mlp-ring-ce"} <= set(rows)
+    assert all(SCHEDULES[name].sequence_parallel for name in rows if name in SCHEDULES)   # no TP-only schedule
+    assert rows["mlp-ring-ce"]["given"] and not rows["megatron-sp-ring"]["given"]
+    assert rows["mlp-ring-ce"]["forward_ms"] == pytest.approx(rep["forward"]["pass_ms"])
+    out = capsys.readouterr().out
+    assert "mlp-ring-ce (given)" in out and "rings (SP): each step one P2P send" in out
+    tp = SCHEDULES["megatron"]
+    rep = predict_command(CFG, tp.layout(1, 8), tp, _args("--calibration", STANDIN, "--compare"))
+    names = [r["schedule"] for r in rep["compare"]]
+    assert "megatron" in names and not any(SCHEDULES[n].sequence_parallel for n in names)   # no ring, no SP
+    assert not any(r["given"] for r in rep["compare"])   # a named schedule given is not listed twice

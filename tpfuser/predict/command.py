@@ -5,7 +5,8 @@ in total (compute, its slowdown beside collectives, communication, exposed
 communication, the pass), the goal and what stands in its way, the anchors
 beside it, the calibration's own check, and that the communication is not
 checked; returns it all as a dict (`plan --json` keeps it under
-"prediction"). --compare adds every named schedule; --png the timeline.
+"prediction"). --compare adds every named schedule of the layout's
+parallelism and a schedule file's; --png the timeline.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def add_predict_arguments(p) -> None:
     p.add_argument("--png", default=None, metavar="FILE", action=_AndPredict,
                    help="draw the timeline (both lanes, both passes) here")
     p.add_argument("--compare", nargs=0, default=False, action=_AndPredict,
-                   help="also every named schedule's forward and backward at this preset and mesh, the fastest marked")
+                   help="also every named schedule's forward and backward at this preset and mesh (those of its "
+                        "parallelism, SP or not) and the one given, the fastest marked")
 
 
 def predict_files(args) -> dict:
@@ -226,16 +228,21 @@ def _check_line(rows: list[dict]) -> str:
             f"communication): {', '.join(parts)}: {verdict}")
 
 
-def _compare(cfg, layout, cal, net, preset) -> list[dict]:
+def _compare(cfg, layout, cal, net, preset, schedule=None) -> list[dict]:
+    """Every named schedule of the layout's parallelism (SP or not), and `schedule` where it is none of them
+    (a --schedule-file's), each predicted at this preset and mesh; the fastest of each pass and step marked."""
+    named = [s for s in SCHEDULES.values() if s.sequence_parallel == layout.sp]
+    given = [schedule] if schedule is not None and SCHEDULES.get(schedule.name) != schedule else []
     rows = []
-    for name, sched in SCHEDULES.items():
+    for sched in named + given:
         lay = sched.layout(layout.dp, layout.tp)
+        row = {"schedule": sched.name, "given": sched in given}
         try:
             r = _one(cfg, lay, sched, cal, net, preset)
         except ValueError as e:
-            rows.append({"schedule": name, "error": str(e)})
+            rows.append({**row, "error": str(e)})
             continue
-        rows.append({"schedule": name, "parallelism": "tp+sp" if lay.sp else "tp",
+        rows.append({**row, "parallelism": "tp+sp" if lay.sp else "tp",
                      **{f"{k}_ms": r[k]["pass_ms"] for k in PASSES},
                      **{f"{k}_exposed_ms": r[k]["exposed_ms"] for k in PASSES},
                      "step_ms": r["forward"]["pass_ms"] + r["backward"]["pass_ms"]})
@@ -247,15 +254,17 @@ def _compare(cfg, layout, cal, net, preset) -> list[dict]:
 
 
 def _compare_lines(rep: dict) -> list[str]:
-    lines = [f"every named schedule, {rep['preset']} at tp {rep['tp']} (ms per rank; * the fastest; schedules that "
+    lines = [f"every named schedule of this parallelism ({rep['parallelism']}) and any given, {rep['preset']} at tp "
+             f"{rep['tp']} (ms per rank; * the fastest; schedules that "
              f"differ only in fusion cuts, masks or options predict the same: the model sees styles, chunks and rings):",
              f"  {'schedule':<30}{'':<6}{'forward':>10}{'backward':>10}{'step':>10}{'exposed fwd / bwd':>20}"]
     for r in rep["compare"]:
+        name = r["schedule"] + (" (given)" if r.get("given") else "")
         if "error" in r:
-            lines.append(f"  {r['schedule']:<30}n/a: {r['error']}")
+            lines.append(f"  {name:<30}n/a: {r['error']}")
             continue
         mark = lambda k: "*" if r.get(f"fastest_{k}") else " "   # noqa: E731
-        lines.append(f"  {r['schedule']:<30}{r['parallelism']:<6}{r['forward_ms']:9.3f}{mark('forward')}"
+        lines.append(f"  {name:<30}{r['parallelism']:<6}{r['forward_ms']:9.3f}{mark('forward')}"
                      f"{r['backward_ms']:9.3f}{mark('backward')}{r['step_ms']:9.3f}{mark('step')}"
                      f"{r['forward_exposed_ms']:10.3f} / {r['backward_exposed_ms']:.3f}")
     for name, f, b, src in rep["anchors"]:
@@ -300,7 +309,7 @@ def predict_command(cfg, layout, schedule, args) -> dict:
                        "scaled_to_whole": _scaled_to_whole(cfg, layout, schedule, cal, net, args.preset,
                                                            rep["calibration_check"], goal)}
     if args.compare:
-        rep["compare"] = _compare(cfg, layout, cal, net, args.preset)
+        rep["compare"] = _compare(cfg, layout, cal, net, args.preset, schedule)
     print()
     print(_format(rep))
     if args.png:
