@@ -16,63 +16,41 @@ it overstates tiny messages); above its largest the bandwidth is held at the
 largest's. A table measured on n ranks is used for any team size: busbw is
 meant not to depend on n (PERFORMANCE.md), a first-order assumption on one
 NVSwitch. Times are in milliseconds.
+
+A ring's P2P steps (kinds "sendrecv": NCCL's send/recv, "copyengine": the
+copy engine's) are one send of `nbytes` between two GPUs: by default a
+P2PLink, latency + nbytes / bandwidth, each figure published (published.py);
+or a measured table (nccl-tests' sendrecv_perf, whose busbw is its algbw),
+time = nbytes / busbw(nbytes) with the same interpolation.
+
+The default interconnects run NCCL with NVLink multicast off
+(NCCL_NVLS_ENABLE=0, as on the machines this project gets): ring curves for
+every collective. h100-nvlink-nvls keeps NCCL's NVLS all-reduce (multicast on).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 import re
 from dataclasses import dataclass
 
+from tpfuser.predict import published
+
 KINDS = ("allreduce", "allgather", "reducescatter")
-KiB, MiB = 1 << 10, 1 << 20
-
-# Published nccl-tests all-reduce bus bandwidth on 8 H200 (NVLink 4, NVSwitch),
-# 1 to 64 MiB, as quoted in tpfuser issue 32 (close to 52 us + size / 227 GB/s).
-_H200_ALLREDUCE = ((1 * MiB, 39.9), (2 * MiB, 64.5), (4 * MiB, 107.0), (8 * MiB, 156.0),
-                   (16 * MiB, 220.0), (32 * MiB, 276.0), (64 * MiB, 347.0))
-_H200_SOURCE = "published nccl-tests all_reduce_perf on 8xH200, 1-64 MiB, as quoted in tpfuser issue 32"
-
-
-def _doubling(first: int, busbw: tuple[float, ...]) -> tuple[tuple[int, float], ...]:
-    return tuple((first << i, b) for i, b in enumerate(busbw))
-
-
-# Published nccl-tests output of one node of 8 H100 SXM (NVLink 4, NVSwitch, as
-# on an H200 SXM node), NCCL 2.26.2, nccl-tests 2.17.9, one process driving the
-# 8 GPUs, float, out-of-place busbw, sizes doubling from the first.
-_TOGETHER = "github.com/togethercomputer/together-nccl-tests, benchmarks/H100/results"
-_H100_ALLGATHER = _doubling(128 * KiB, (3.12, 6.24, 11.43, 22.02, 44.24, 88.77, 156.12, 207.36, 234.03, 278.45,
-                                        298.43, 320.49, 335.70, 344.53, 350.36, 355.23, 357.90))
-_H100_REDUCESCATTER = _doubling(128 * KiB, (3.12, 6.27, 11.76, 22.60, 44.05, 88.02, 145.53, 203.96, 247.18,
-                                            284.43, 307.89, 327.04, 337.19, 346.49, 351.01, 359.62, 363.18))
-_H100_ALLREDUCE = _doubling(1 * MiB, (43.38, 83.73, 131.03, 172.95, 233.92, 293.22, 358.97, 398.98, 421.78,
-                                      437.03, 467.77, 472.84, 477.00, 479.61))
-# Below 1 MiB both all-reduce tables take that node's ring figures at 64-256 KiB
-# (its latency floor, ~36 us; 512 KiB left out: out of place 69.2 us against
-# 44.2 in place, an outlier), so a small fp32 gradient is not billed at 1 MiB.
-_H100_ALLREDUCE_FLOOR = _doubling(64 * KiB, (3.21, 6.15, 12.09))
-_FLOOR_SOURCE = (f"below 1 MiB: all_reduce_perf on 8xH100 SXM, ring, 64-256 KiB ({_TOGETHER}/20260305_220043/"
-                 f"all_reduce_ring.out)")
-_H100_SOURCES = {
-    "allgather": f"nccl-tests all_gather_perf on 8xH100 SXM, ring, 128 KiB-8 GiB ({_TOGETHER}/20260305_220043/"
-                 f"all_gather_ring.out)",
-    "reducescatter": f"nccl-tests reduce_scatter_perf on 8xH100 SXM, ring, 128 KiB-8 GiB ({_TOGETHER}/"
-                     f"20260305_220043/reduce_scatter_ring.out)",
-    "allreduce": f"nccl-tests all_reduce_perf on 8xH100 SXM, NVLS, 1 MiB-8 GiB ({_TOGETHER}/20260305_221443/"
-                 f"all_reduce_nvls.out)",
-}
-_ON_H200 = ("measured on H100 SXM, taken for H200 SXM: the same NVLink 4 (18 links, 900 GB/s a GPU) and "
-            "NVSwitch; no published 8xH200 figures for it were at hand; replace with all_gather_perf / "
-            "reduce_scatter_perf output from the machine (--comm-table)")
+# A ring's P2P steps (nvFuser's send/recv), by the communicator backend that moves them.
+P2P_KINDS = ("sendrecv", "copyengine")
+P2P_BY_BACKEND = {"nccl": "sendrecv", "cuda": "copyengine"}
+ALL_KINDS = KINDS + P2P_KINDS
 
 
 def algorithm_factor(kind: str, ranks: int) -> float:
-    """Bytes each rank sends per byte of the tensor (ring algorithms)."""
-    if kind not in KINDS:
-        raise ValueError(f"collective kind {kind!r}: expected one of {', '.join(KINDS)}")
+    """Bytes each rank sends per byte of the tensor (ring algorithms); a P2P send: all of it."""
+    if kind not in ALL_KINDS:
+        raise ValueError(f"collective kind {kind!r}: expected one of {', '.join(ALL_KINDS)}")
+    if kind in P2P_KINDS:
+        return 1.0
     return (2.0 if kind == "allreduce" else 1.0) * (ranks - 1) / ranks
 
 
@@ -83,7 +61,8 @@ def algorithm_bytes(kind: str, nbytes: float, ranks: int) -> float:
 
 @dataclass(frozen=True)
 class BusTable:
-    """One collective's bus bandwidth (GB/s) at message sizes (bytes), ascending; `source` says where from."""
+    """One collective's bus bandwidth (GB/s) at message sizes (bytes), ascending; `source` says where from.
+    A P2P kind's (nccl-tests' sendrecv_perf, a copy engine's): what one send moves a second, busbw = algbw."""
 
     kind: str
     sizes: tuple[int, ...]
@@ -93,8 +72,8 @@ class BusTable:
 
     def __post_init__(self):
         where = f"bus table {self.kind!r}"
-        if self.kind not in KINDS:
-            raise ValueError(f"{where}: kind expected one of {', '.join(KINDS)}")
+        if self.kind not in ALL_KINDS:
+            raise ValueError(f"{where}: kind expected one of {', '.join(ALL_KINDS)}")
         if not self.sizes or len(self.sizes) != len(self.busbw_gbps):
             raise ValueError(f"{where}: expected as many sizes as bandwidths (at least one), got "
                              f"{len(self.sizes)} and {len(self.busbw_gbps)}")
@@ -115,57 +94,101 @@ class BusTable:
         t = (math.log(nbytes) - math.log(sizes[i - 1])) / (math.log(sizes[i]) - math.log(sizes[i - 1]))
         return bw[i - 1] * (bw[i] / bw[i - 1]) ** t
 
-    def time_ms(self, nbytes: float, ranks: int) -> float:
+    def time_ms(self, nbytes: float, ranks: int = 2) -> float:
         """One collective of a tensor of nbytes over `ranks` ranks, ms; 0 for a team of one."""
         if ranks <= 1 or nbytes <= 0:
             return 0.0
         size = max(nbytes, self.sizes[0])   # the latency floor below the table
         return algorithm_bytes(self.kind, size, ranks) / (self.busbw(size) * 1e9) * 1e3
 
+    def as_dict(self) -> dict:
+        return {"sizes": list(self.sizes), "busbw_gbps": list(self.busbw_gbps), "ranks": self.ranks,
+                "source": self.source}
+
+
+@dataclass(frozen=True)
+class P2PLink:
+    """One P2P send of nbytes between two GPUs over one NVLink path: latency + nbytes / bandwidth."""
+
+    kind: str                # P2P_KINDS
+    latency_us: float
+    bandwidth_gbps: float
+    source: str = ""
+
+    def time_ms(self, nbytes: float, ranks: int = 2) -> float:
+        return 0.0 if nbytes <= 0 else self.latency_us * 1e-3 + nbytes / (self.bandwidth_gbps * 1e9) * 1e3
+
+    def as_dict(self) -> dict:
+        return {"latency_us": self.latency_us, "bandwidth_gbps": self.bandwidth_gbps, "source": self.source}
+
 
 @dataclass(frozen=True)
 class Interconnect:
     name: str
-    tables: dict   # kind -> BusTable
+    tables: dict   # kind -> BusTable (a collective's, or a P2P kind's) or P2PLink
     source: str
+    curves: str = ""   # which algorithms the collectives' tables were measured with, in words
 
     def time_ms(self, kind: str, nbytes: float, ranks: int) -> float:
         if kind not in self.tables:
             raise ValueError(f"interconnect {self.name!r}: no {kind} table (it has {', '.join(self.tables)})")
         return self.tables[kind].time_ms(nbytes, ranks)
 
+    def p2p_ms(self, backend: str, nbytes: float) -> float:
+        """One P2P step of a ring over nvFuser's communicator backend `backend`, ms."""
+        if backend not in P2P_BY_BACKEND:
+            raise ValueError(f"--predict: a ring over backend {backend!r} is not modelled: expected one of "
+                             f"{', '.join(P2P_BY_BACKEND)} (NCCL send/recv, the copy engine)")
+        return self.time_ms(P2P_BY_BACKEND[backend], nbytes, 2)
+
     def replace(self, tables: dict, name: str | None = None) -> "Interconnect":
         merged = {**self.tables, **tables}
-        return Interconnect(name or f"{self.name}+given", merged, "; ".join(
-            f"{k}: {t.source}" for k, t in merged.items()))
+        return Interconnect(name or f"{self.name}+given", merged, _sources(merged),
+                            f"{self.curves}; given for {', '.join(tables)} (--comm-table)")
+
+
+def _sources(tables: dict) -> str:
+    return "; ".join(f"{k}: {t.source}" for k, t in tables.items())
 
 
 def _table(kind: str, points, source: str) -> BusTable:
     return BusTable(kind, tuple(s for s, _ in points), tuple(b for _, b in points), 8, source)
 
 
+MULTICAST_OFF = f"NCCL ring curves, NVLink multicast off: {published.RING_SETTINGS}"
+MULTICAST_ON = ("all-reduce: NCCL NVLS, NVLink multicast on (NCCL_NVLS_ENABLE=1); all-gather and reduce-scatter: "
+                f"ring, {published.RING_SETTINGS}")
+
+
 def _nvlink(name: str) -> Interconnect:
-    """An 8-GPU NVLink node: h100-nvlink every table from the H100 node's output,
-    h200-nvlink the H200 all-reduce and the H100 node's all-gather and reduce-scatter."""
-    points = {"allreduce": _H100_ALLREDUCE, "allgather": _H100_ALLGATHER, "reducescatter": _H100_REDUCESCATTER}
-    sources = dict(_H100_SOURCES)
-    if name == "h200-nvlink":
-        points["allreduce"], sources["allreduce"] = _H200_ALLREDUCE, _H200_SOURCE
-        for kind in ("allgather", "reducescatter"):
-            sources[kind] = f"{sources[kind]}; {_ON_H200}"
-    points["allreduce"] = _H100_ALLREDUCE_FLOOR + points["allreduce"]
-    sources["allreduce"] = f"{sources['allreduce']}; {_FLOOR_SOURCE}"
+    """An 8-GPU NVLink 4 node, every table from the H100 node's published output:
+    h100-nvlink and h200-nvlink (the same figures, said to be H100's) with NVLink
+    multicast off (ring curves), h100-nvlink-nvls its NVLS all-reduce."""
+    nvls = name.endswith("-nvls")
+    points = {"allreduce": published.ALLREDUCE_RING[:3] + published.ALLREDUCE_NVLS if nvls
+              else published.ALLREDUCE_RING,
+              "allgather": published.ALLGATHER_RING, "reducescatter": published.REDUCESCATTER_RING}
+    sources = {**published.SOURCES, "allreduce": published.SOURCES["allreduce-nvls" if nvls else "allreduce"]}
+    sources |= {kind: source for kind, (_, _, source) in (("sendrecv", published.SENDRECV),
+                                                          ("copyengine", published.COPYENGINE))}
+    h200 = name.startswith("h200")
+    if h200:
+        sources = {kind: f"{source}; taken for H200" for kind, source in sources.items()}
     tables = {kind: _table(kind, points[kind], sources[kind]) for kind in KINDS}
-    return Interconnect(name, tables, "; ".join(f"{kind}: {t.source}" for kind, t in tables.items()))
+    for kind, (latency, bandwidth, _) in (("sendrecv", published.SENDRECV), ("copyengine", published.COPYENGINE)):
+        tables[kind] = P2PLink(kind, latency, bandwidth, sources[kind])
+    return Interconnect(name, tables, f"{published.ON_H200}: " * h200 + _sources(tables),
+                        MULTICAST_ON if nvls else MULTICAST_OFF)
 
 
-INTERCONNECTS = {name: _nvlink(name) for name in ("h200-nvlink", "h100-nvlink")}
+INTERCONNECTS = {name: _nvlink(name) for name in ("h200-nvlink", "h100-nvlink", "h100-nvlink-nvls")}
 
 
 def flat(busbw_gbps: float) -> Interconnect:
-    """One bus bandwidth at every size and for every kind (plan's --bandwidth): no latency term."""
-    tables = {k: BusTable(k, (1,), (busbw_gbps,), 8, f"flat {busbw_gbps:g} GB/s (--bandwidth)") for k in KINDS}
-    return Interconnect(f"flat-{busbw_gbps:g}", tables, f"flat {busbw_gbps:g} GB/s, as given (--bandwidth)")
+    """One bus bandwidth at every size and for every kind, P2P too (plan's --bandwidth): no latency term."""
+    tables = {k: BusTable(k, (1,), (busbw_gbps,), 8, f"flat {busbw_gbps:g} GB/s (--bandwidth)") for k in ALL_KINDS}
+    return Interconnect(f"flat-{busbw_gbps:g}", tables, f"flat {busbw_gbps:g} GB/s, as given (--bandwidth)",
+                        "one flat rate, no latency (--bandwidth)")
 
 
 def interconnect(name: str) -> Interconnect:
@@ -174,7 +197,8 @@ def interconnect(name: str) -> Interconnect:
     return INTERCONNECTS[name]
 
 
-_TOOLS = {"all_reduce_perf": "allreduce", "all_gather_perf": "allgather", "reduce_scatter_perf": "reducescatter"}
+_TOOLS = {"all_reduce_perf": "allreduce", "all_gather_perf": "allgather", "reduce_scatter_perf": "reducescatter",
+          "sendrecv_perf": "sendrecv"}
 
 
 def parse_nccl_tests(text: str, kind: str | None = None, source: str = "nccl-tests output") -> BusTable:
@@ -226,11 +250,12 @@ def comm_table_spec(spec: str) -> tuple[str, str]:
 
 
 def read_comm_table(spec: str) -> dict:
-    """kind -> BusTable from `[KIND=]FILE`: nccl-tests' text output, or JSON
-    {"source": ..., "tables": {kind: {"sizes": [bytes...], "busbw_gbps": [...], "ranks": n}}}."""
+    """kind -> BusTable from `[KIND=]FILE`: nccl-tests' text output (sendrecv_perf's: kind "sendrecv", what
+    NCCL's send/recv moves a second), or JSON {"source": ..., "tables": {kind: {"sizes": [bytes...],
+    "busbw_gbps": [...], "ranks": n}}}, where kind "copyengine" is one copy-engine P2P send at each size."""
     kind, path = comm_table_spec(spec)
-    if kind and kind not in KINDS:
-        raise ValueError(f"--comm-table={spec!r}: kind expected one of {', '.join(KINDS)}, got {kind!r}")
+    if kind and kind not in ALL_KINDS:
+        raise ValueError(f"--comm-table={spec!r}: kind expected one of {', '.join(ALL_KINDS)}, got {kind!r}")
     if not os.path.isfile(path):   # (never opened: a named pipe would block)
         raise ValueError(f"--comm-table={spec!r}: {path!r} is not a regular file")
     try:
@@ -247,7 +272,7 @@ def read_comm_table(spec: str) -> dict:
         source = data.get("source", path)
         out = {}
         for k, t in data["tables"].items():
-            sizes, bw, ranks = t["sizes"], t["busbw_gbps"], t.get("ranks", 8)
+            sizes, bw, ranks = t["sizes"], t["busbw_gbps"], t.get("ranks", 2 if k in P2P_KINDS else 8)
             for name, values, integer in (("sizes", sizes, True), ("busbw_gbps", bw, False)):
                 if not isinstance(values, list) or not all(_finite(v) and (not integer or v == int(v)) for v in values):
                     unit = "whole numbers of bytes" if integer else "GB/s"

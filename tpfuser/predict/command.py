@@ -5,7 +5,8 @@ in total (compute, its slowdown beside collectives, communication, exposed
 communication, the pass), the goal and what stands in its way, the anchors
 beside it, the calibration's own check, and that the communication is not
 checked; returns it all as a dict (`plan --json` keeps it under
-"prediction"). --compare adds every named schedule; --png the timeline.
+"prediction"). --compare adds every named schedule of the layout's
+parallelism and a schedule file's; --png the timeline.
 """
 
 from __future__ import annotations
@@ -17,17 +18,19 @@ from tpfuser.parallel.schedules import SCHEDULES
 from tpfuser.predict import comm
 from tpfuser.predict.calibration import CalibrationError, check_sums, default_path, read_calibration
 from tpfuser.predict.plot import plot_timeline
-from tpfuser.predict.timeline import COMM, COMM_SLOWDOWN_BESIDE_COMPUTE, SLOWDOWN_BESIDE_COMM, predict
+from tpfuser.predict.timeline import COMM, COMM_SLOWDOWN_BESIDE_COMPUTE, SLOWDOWN_BESIDE_COMM, pointwise_rate, predict
 
-# The goal of issue 32: one gpt3 layer at tp 8, per rank, ms.
+# The project's goal: one gpt3 layer at tp 8, per rank, ms.
 GOALS = {("gpt3", 8): {"forward": 1.9, "backward": 4.0}}
-# One GPT-3 layer (12288 wide, 96 heads, 2048 tokens, bf16) on 8xH100, ms (issue 32's anchors).
+# One GPT-3 layer (12288 wide, 96 heads, 2048 tokens, bf16) on 8xH100, ms, each figure's public source
+# (nvFuser's benchmarks of TransformerEngine and of itself; "unsourced": none found for that figure).
+_FUSER = "github.com/NVIDIA/Fuser/pull"
 ANCHORS = {("gpt3", 8): [
-    ("TransformerEngine, TP+SP, overlapped", 2.26, 4.42, "issue 32"),
-    ("TransformerEngine, TP", 2.39, 4.46, "issue 32"),
-    ("TransformerEngine, TP+SP, no overlap", 2.5, 4.58, "issue 32"),
-    ("nvFuser, TP+SP", 2.1, 5.27, "NVIDIA/Fuser issues #5560, #5667"),
-    ("nvFuser, TP (backward)", None, 4.37, "NVIDIA/Fuser PR #4873"),
+    ("TransformerEngine, TP+SP", 2.26, 4.42, f"forward {_FUSER}/3546 (sp-forward, min); backward unsourced"),
+    ("TransformerEngine, TP", 2.39, 4.46, f"forward {_FUSER}/3546 (tp-forward, min); backward unsourced"),
+    ("TransformerEngine, TP+SP, no overlap", 2.5, 4.58, f"{_FUSER}/5560, {_FUSER}/5667"),
+    ("nvFuser, TP+SP", 2.1, 5.27, f"{_FUSER}/5560, {_FUSER}/5667"),
+    ("nvFuser, TP (backward)", None, 4.37, f"{_FUSER}/4873"),
 ]}
 PASSES = ("forward", "backward")
 
@@ -65,7 +68,8 @@ def add_predict_arguments(p) -> None:
     p.add_argument("--png", default=None, metavar="FILE", action=_AndPredict,
                    help="draw the timeline (both lanes, both passes) here")
     p.add_argument("--compare", nargs=0, default=False, action=_AndPredict,
-                   help="also every named schedule's forward and backward at this preset and mesh, the fastest marked")
+                   help="also every named schedule's forward and backward at this preset and mesh (those of its "
+                        "parallelism, SP or not) and the one given, the fastest marked")
 
 
 def predict_files(args) -> dict:
@@ -151,15 +155,15 @@ def _scaled_to_whole(cfg, layout, schedule, cal, net, preset, check: list[dict],
 
 
 def _table(kind: str, s: dict, title: str) -> list[str]:
-    lines = [f"{kind} ({title})", f"  {'piece':<58}{'compute':>9}{'beside':>9}{'comm':>9}{'exposed':>9}"]
+    lines = [f"{kind} ({title})", f"  {'piece':<64}{'compute':>9}{'beside':>9}{'comm':>9}{'exposed':>9}"]
     cell = lambda v, show: f"{v:9.3f}" if show else " " * 9   # noqa: E731
     for r in s["pieces"]:
         on = r["kind"] != "collective"
         name = r["piece"].replace(" (partial sums over the sequence shards)", " (SP: summed over tp)")
-        lines.append(f"  {name[:58]:<58}{cell(r['compute_ms'], on)}"
+        lines.append(f"  {name[:64]:<64}{cell(r['compute_ms'], on)}"
                      f"{cell(r['slowdown_ms'], on and r['slowdown_ms'] > 5e-4)}"
                      f"{cell(r['comm_ms'], not on)}{cell(r['exposed_ms'], not on)}")
-    lines.append(f"  {'total':<58}{s['compute_ms']:9.3f}{s['slowdown_ms']:9.3f}{s['comm_ms']:9.3f}{s['exposed_ms']:9.3f}"
+    lines.append(f"  {'total':<64}{s['compute_ms']:9.3f}{s['slowdown_ms']:9.3f}{s['comm_ms']:9.3f}{s['exposed_ms']:9.3f}"
                  f"   {kind} {s['pass_ms']:.3f} ms")
     return lines
 
@@ -171,7 +175,8 @@ def _format(rep: dict) -> str:
         out.append("STAND-IN calibration (made up for the tests, not measured on a GPU): every time below is a placeholder")
     out.append(f"prediction, one rank: {rep['preset']} at tp {rep['tp']} ({rep['parallelism']}), schedule "
                f"{rep['schedule']}; pieces from {c['path']} ({c['gpu']}, {_clock(c)}, "
-               f"commit {c['commit']}, {c['date']}); collectives from {rep['interconnect']['name']}")
+               f"commit {c['commit']}, {c['date']}); collectives from {rep['interconnect']['name']} "
+               f"({rep['interconnect']['curves']})")
     for kind in PASSES:
         out += [""] + _table(kind, rep[kind], f"ms; 'beside': the slowdown beside a collective, "
                              f"{rep[kind]['slowdown_source']}")
@@ -201,10 +206,11 @@ def _format(rep: dict) -> str:
         out += ["", "anchors, one GPT-3 layer on 8xH100 (ms; theirs ran on H100, these pieces on the calibration's GPU):",
                 f"  {'':<46}{'forward':>9}{'backward':>9}"]
         for name, f, b, src in rep["anchors"]:
-            out.append(f"  {name + ' (' + src + ')':<46}{f if f is not None else '-':>9}{b:>9}")
+            out.append(f"  {name:<46}{f if f is not None else '-':>9}{b:>9}   {src}")
         out.append(f"  {'this prediction: ' + rep['schedule']:<46}{rep['forward']['pass_ms']:9.3f}"
                    f"{rep['backward']['pass_ms']:9.3f}")
-    out += ["", _check_line(rep["calibration_check"]), rep["communication_note"]]
+    out += ["", _check_line(rep["calibration_check"]), rep["communication_note"]] + [rep["ring_note"]] * bool(
+        rep["ring_note"])
     if rep.get("compare"):
         out += ["", *_compare_lines(rep)]
     return "\n".join(out)
@@ -222,16 +228,21 @@ def _check_line(rows: list[dict]) -> str:
             f"communication): {', '.join(parts)}: {verdict}")
 
 
-def _compare(cfg, layout, cal, net, preset) -> list[dict]:
+def _compare(cfg, layout, cal, net, preset, schedule=None) -> list[dict]:
+    """Every named schedule of the layout's parallelism (SP or not), and `schedule` where it is none of them
+    (a --schedule-file's), each predicted at this preset and mesh; the fastest of each pass and step marked."""
+    named = [s for s in SCHEDULES.values() if s.sequence_parallel == layout.sp]
+    given = [schedule] if schedule is not None and SCHEDULES.get(schedule.name) != schedule else []
     rows = []
-    for name, sched in SCHEDULES.items():
+    for sched in named + given:
         lay = sched.layout(layout.dp, layout.tp)
+        row = {"schedule": sched.name, "given": sched in given}
         try:
             r = _one(cfg, lay, sched, cal, net, preset)
         except ValueError as e:
-            rows.append({"schedule": name, "error": str(e)})
+            rows.append({**row, "error": str(e)})
             continue
-        rows.append({"schedule": name, "parallelism": "tp+sp" if lay.sp else "tp",
+        rows.append({**row, "parallelism": "tp+sp" if lay.sp else "tp",
                      **{f"{k}_ms": r[k]["pass_ms"] for k in PASSES},
                      **{f"{k}_exposed_ms": r[k]["exposed_ms"] for k in PASSES},
                      "step_ms": r["forward"]["pass_ms"] + r["backward"]["pass_ms"]})
@@ -243,15 +254,17 @@ def _compare(cfg, layout, cal, net, preset) -> list[dict]:
 
 
 def _compare_lines(rep: dict) -> list[str]:
-    lines = [f"every named schedule, {rep['preset']} at tp {rep['tp']} (ms per rank; * the fastest; schedules that "
-             f"differ only in fusion cuts, masks or options predict the same: the model sees styles and chunks):",
+    lines = [f"every named schedule of this parallelism ({rep['parallelism']}) and any given, {rep['preset']} at tp "
+             f"{rep['tp']} (ms per rank; * the fastest; schedules that "
+             f"differ only in fusion cuts, masks or options predict the same: the model sees styles, chunks and rings):",
              f"  {'schedule':<30}{'':<6}{'forward':>10}{'backward':>10}{'step':>10}{'exposed fwd / bwd':>20}"]
     for r in rep["compare"]:
+        name = r["schedule"] + (" (given)" if r.get("given") else "")
         if "error" in r:
-            lines.append(f"  {r['schedule']:<30}n/a: {r['error']}")
+            lines.append(f"  {name:<30}n/a: {r['error']}")
             continue
         mark = lambda k: "*" if r.get(f"fastest_{k}") else " "   # noqa: E731
-        lines.append(f"  {r['schedule']:<30}{r['parallelism']:<6}{r['forward_ms']:9.3f}{mark('forward')}"
+        lines.append(f"  {name:<30}{r['parallelism']:<6}{r['forward_ms']:9.3f}{mark('forward')}"
                      f"{r['backward_ms']:9.3f}{mark('backward')}{r['step_ms']:9.3f}{mark('step')}"
                      f"{r['forward_exposed_ms']:10.3f} / {r['backward_exposed_ms']:.3f}")
     for name, f, b, src in rep["anchors"]:
@@ -259,30 +272,44 @@ def _compare_lines(rep: dict) -> list[str]:
     return lines
 
 
+def _ring_note(net, rate: float) -> str:
+    """How a ring's steps and its local sum are timed, in words."""
+    def link(t) -> str:
+        if isinstance(t, comm.P2PLink):
+            return f"{t.latency_us:.2f} us + bytes / {t.bandwidth_gbps:g} GB/s"
+        return f"a table of {len(t.sizes)} sizes, {min(t.busbw_gbps):g}-{max(t.busbw_gbps):g} GB/s"
+    return (f"rings (SP): each step one P2P send of a rank's chunk over one NVLink path: NCCL send/recv "
+            f"{link(net.tables['sendrecv'])}, the copy engine {link(net.tables['copyengine'])}; beside the copy "
+            f"engine a GEMM runs at full speed (it takes no SMs; assumed: its memory traffic slows no GEMM); the tp "
+            f"partials' local sum at the forward GELU's {rate / 1e12:.2f} TB/s (the calibration's)")
+
+
 def predict_command(cfg, layout, schedule, args) -> dict:
     cal, net = _inputs(cfg, layout, args)
+    rate = pointwise_rate(cal.pieces(args.preset, layout.tp, layout.sp), cfg, layout.tp)
     result = _one(cfg, layout, schedule, cal, net, args.preset)
     key = (args.preset, layout.tp)
     rep = {"preset": args.preset, "tp": layout.tp, "parallelism": "tp+sp" if layout.sp else "tp",
            "schedule": schedule.name, "calibration": cal.summary(),
-           "interconnect": {"name": net.name, "source": net.source,
-                            "tables": {k: {"sizes": list(t.sizes), "busbw_gbps": list(t.busbw_gbps),
-                                           "ranks": t.ranks, "source": t.source} for k, t in net.tables.items()}},
+           "interconnect": {"name": net.name, "source": net.source, "curves": net.curves,
+                            "tables": {k: t.as_dict() for k, t in net.tables.items()}},
            "assumptions": {"slowdown_beside_comm_default": SLOWDOWN_BESIDE_COMM,
                            "comm_slowdown_beside_compute": COMM_SLOWDOWN_BESIDE_COMPUTE,
                            "model": "tpfuser/predict/timeline.py's docstring", "interpolation": "log(busbw) linear in "
-                           "log(size), time held below the smallest size, busbw held above the largest"},
+                           "log(size), time held below the smallest size, busbw held above the largest",
+                           "slowdown_beside_copy_engine": 1.0, "ring_sum_bytes_per_s": rate},
            **result, "anchors": ANCHORS.get(key, []), "calibration_check": check_sums(cal, args.preset),
            "communication_checked": False,
            "communication_note": f"communication: not checked (one GPU cannot run a collective over tp); its "
-                                 f"times come from {net.name}: {net.source}"}
+                                 f"times come from {net.name}: {net.source}",
+           "ring_note": _ring_note(net, rate) if layout.sp else ""}
     if key in GOALS:
         goal = GOALS[key]
         rep["goal"] = {**goal, "in_the_way": {k: in_the_way(result[k], goal[k]) for k in PASSES},
                        "scaled_to_whole": _scaled_to_whole(cfg, layout, schedule, cal, net, args.preset,
                                                            rep["calibration_check"], goal)}
     if args.compare:
-        rep["compare"] = _compare(cfg, layout, cal, net, args.preset)
+        rep["compare"] = _compare(cfg, layout, cal, net, args.preset, schedule)
     print()
     print(_format(rep))
     if args.png:

@@ -21,10 +21,30 @@ The model, in milliseconds per rank:
   the next compute piece waits for it, whether it reads it or not (nvFuser
   posts a fusion's communication between its kernels, on their stream). So
   unchunked, every collective is exposed.
+* A ring (algorithm "ring", sequence parallelism: nvFuser's P2P
+  decomposition, tp steps) cuts its GEMMs into tp chunks, each the
+  calibrated tp-chunk time over tp (refused where the calibration did not
+  time tp chunks). Each step that moves data is one P2P send of step_bytes
+  (one rank's chunk) over one NVLink path, timed by the interconnect's
+  figures for the ring's backend: NCCL send/recv, or the copy engine
+  (comm.P2P_BY_BACKEND). All-gather + GEMM (before a column-parallel
+  linear): step 0's GEMM runs on the rank's own chunk and waits for no
+  transfer; transfer j (j = 1 .. tp-1) starts once the input is made and the
+  one before it has ended, and GEMM chunk j waits for it. GEMM +
+  reduce-scatter (after a row-parallel linear, after a column-parallel input
+  gradient): GEMM chunk i makes the partial sum of rank (r+i) mod tp; chunk
+  0's is the rank's own, chunk i's (i >= 1) is sent once made, beside the
+  next chunk's GEMM, so the last send is exposed; then a local sum of the
+  tp partials (a pointwise kernel reading tp x step_bytes and writing
+  step_bytes) runs at the bytes per second of the calibration's forward
+  GELU (pointwise_rate). Every rank runs the same steps: a rank's last
+  partial arrives when its own last send ends.
 * While both lanes are busy, the compute piece runs slower by its measured
   ratio beside a 32-CTA copy (calibration "beside_copy"), else by the mean
   measured ratio, else by SLOWDOWN_BESIDE_COMM; the collective by
-  COMM_SLOWDOWN_BESIDE_COMPUTE.
+  COMM_SLOWDOWN_BESIDE_COMPUTE. Beside a copy-engine transfer (sm_free) the
+  compute piece runs at full speed: the copy engine takes no SMs (assumed:
+  what the copy takes of the GPU's memory bandwidth slows no GEMM).
 
 Exposed communication is the time the compute lane waits (on a collective).
 """
@@ -46,6 +66,7 @@ SLOWDOWN_BESIDE_COMM = 1.10
 # Assumed: a collective is bound by NVLink, not by what the GEMM takes of HBM.
 COMM_SLOWDOWN_BESIDE_COMPUTE = 1.0
 STREAM_ORDERED = True   # documentation of the rule above; the model has no other
+RING_BACKENDS = {"nccl": "NCCL", "cuda": "CE"}   # a ring's backend, in its rows' names (CE: the copy engine)
 ROW = {name for name, style in LINEAR_STYLES.items() if style == "row"}
 # The LayerNorm whose backward makes the gradients summed over the sequence shards of the region a
 # row-parallel linear ends (collectives.sequence_summed_params): attention's is ln_1's, the MLP's ln_2's.
@@ -62,6 +83,7 @@ class Op:
     deps: tuple = ()    # indices of ops it waits for
     slowdown: float = 1.0
     whole_ms: float = 0.0   # a collective: its time alone unchunked (chunking it costs its chunks' ms over this)
+    sm_free: bool = False   # a transfer that takes no SMs (the copy engine's): compute beside it runs at full speed
 
 
 @dataclass(frozen=True)
@@ -88,7 +110,9 @@ def simulate(ops: list[Op]) -> list[Span]:
             stuck = [ops[q[heads[lane]]].name for lane, q in queues.items() if heads[lane] < len(q)]
             raise ValueError(f"timeline: no op can start (waiting: {', '.join(stuck)}): a dependency on a later op")
         both = len(running) == 2
-        rate = {lane: (1.0 / (ops[i].slowdown if lane == COMPUTE else COMM_SLOWDOWN_BESIDE_COMPUTE) if both else 1.0)
+        quiet = both and ops[running[COMM][0]].sm_free
+        rate = {lane: (1.0 / (ops[i].slowdown if lane == COMPUTE else COMM_SLOWDOWN_BESIDE_COMPUTE)
+                       if both and not (quiet and lane == COMPUTE) else 1.0)
                 for lane, (i, _) in running.items()}
         dt = min(left / rate[lane] for lane, (_, left) in running.items())
         t += dt
@@ -114,8 +138,9 @@ def attach(colls) -> dict:
 class _Pass:
     """Ops of one pass, appended in lane order; `wait`: what the next compute op waits for."""
 
-    def __init__(self, kind, pieces, interconnect, schedule):
+    def __init__(self, kind, pieces, interconnect, schedule, cfg=None, tp=1):
         self.kind, self.pieces, self.comm, self.schedule = kind, pieces, interconnect, schedule
+        self.cfg, self.tp = cfg, tp
         self.ops, self.wait, self.last = [], [], None
         measured = pieces.mean_slowdown()
         self.fallback = measured if measured is not None else SLOWDOWN_BESIDE_COMM
@@ -139,9 +164,44 @@ class _Pass:
                            whole_ms=self.comm.time_ms(c.kind, c.tensor_bytes, c.team)))
         return len(self.ops) - 1
 
+    def transfer(self, c, step: int, deps=()) -> int:
+        """Step `step` of ring c: one P2P send of its step_bytes over c's backend."""
+        piece = f"{c.kind} {c.where} (ring, {RING_BACKENDS.get(c.backend, c.backend)})"
+        self.ops.append(Op(f"{piece} [{step}/{c.chunks - 1}]", COMM, self.comm.p2p_ms(c.backend, c.step_bytes), piece,
+                           "collective", tuple(deps), whole_ms=self.comm.time_ms(c.kind, c.tensor_bytes, c.team),
+                           sm_free=c.backend == "cuda"))
+        return len(self.ops) - 1
+
+    def ring_gather(self, gemms, c) -> None:
+        """All-gather + GEMM: GEMM chunk 0 on the rank's own chunk, chunk j once transfer j has brought it."""
+        made = () if self.last is None else (self.last,)
+        arrived = [self.transfer(c, j, made) for j in range(1, c.chunks)]
+        for i in range(c.chunks):
+            for g in gemms:
+                self.compute(g, c.chunks, i + 1, deps=arrived[i - 1:i] if i else ())
+
+    def ring_scatter(self, gemms, c) -> None:
+        """GEMM + reduce-scatter: chunk i's partial sent once made (chunk 0's is the rank's own), then the local sum."""
+        sent = []
+        for i in range(c.chunks):
+            for g in gemms:
+                self.compute(g, c.chunks, i + 1)
+            if i:
+                sent.append(self.transfer(c, i, (self.last,)))
+        piece = f"sum of the ring's partials {c.where}"
+        ms = (c.chunks + 1) * c.step_bytes / pointwise_rate(self.pieces, self.cfg, self.tp) * 1e3
+        self.ops.append(Op(piece, COMPUTE, ms, piece, "pointwise", tuple(sent[-1:]) + tuple(self.wait), self.fallback))
+        self.wait, self.last = [], len(self.ops) - 1
+
     def stage(self, gemms, linear: str, phase: str, before=(), after=()) -> None:
         """A linear's GEMMs (each chunk runs `gemms` in order) with the gather they read or the collective they feed."""
         colls = list(before) + list(after)
+        rings = [c for c in colls if c.algorithm == "ring"]
+        if rings:
+            if len(colls) != 1:
+                raise ValueError(f"--predict: {linear} {phase}: a ring beside another collective is not modelled "
+                                 f"({', '.join(c.where for c in colls)})")
+            return self.ring_gather(gemms, rings[0]) if before else self.ring_scatter(gemms, rings[0])
         n = max((c.chunks for c in colls), default=1)
         gathered = [[self.collective(c, n, i + 1) for c in before] for i in range(n)]
         for i in range(n):
@@ -152,9 +212,16 @@ class _Pass:
             self.wait.extend(fed)   # the piece after the linear reads the last chunk (and, in lane order, all)
 
 
+def pointwise_rate(pieces, cfg, tp: int) -> float:
+    """Bytes a second of a memory-bound pointwise kernel on the calibration's GPU: the forward GELU's
+    (tools/calibrate.py: tanh GELU of the rank's (b s, 4 h / tp) bf16 activation, read once, written once)."""
+    nbytes = 2 * cfg.batch * cfg.seq * (4 * cfg.n_embd // tp) * 2
+    return nbytes / (pieces.ms("forward", "gelu") * 1e-3)
+
+
 def forward_ops(cfg, layout, schedule, pieces, interconnect) -> tuple[list[Op], str]:
     slots = attach(forward_collectives(cfg, layout, schedule))
-    p = _Pass("forward", pieces, interconnect, schedule)
+    p = _Pass("forward", pieces, interconnect, schedule, cfg, layout.tp)
     for piece in FORWARD_PIECES:
         if is_gemm(piece):
             p.stage([piece], piece, "forward", slots.get(("input", piece), ()), slots.get(("output", piece), ()))
@@ -165,7 +232,7 @@ def forward_ops(cfg, layout, schedule, pieces, interconnect) -> tuple[list[Op], 
 
 def backward_ops(cfg, layout, schedule, pieces, interconnect) -> tuple[list[Op], str]:
     slots = attach(backward_collectives(cfg, layout, schedule))
-    p = _Pass("backward", pieces, interconnect, schedule)
+    p = _Pass("backward", pieces, interconnect, schedule, cfg, layout.tp)
     for piece in BACKWARD_PIECES:
         linear, _, grad = piece.rpartition(".")
         if linear in ROW:   # both GEMMs read the gathered upstream gradient (SP)
