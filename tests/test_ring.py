@@ -150,3 +150,24 @@ def test_plan_json_holds_every_collective_as_a_record(tmp_path):
     assert len(rings) == 6 and all((r["chunks"], r["p2p_steps"], r["step_bytes"]) == (8, 7, 2048 * 12288 * 2 // 8)
                                    for r in rings)
     assert all(r["whole_because"] for r in records if r["site"] in ("grad_output", "weight_input"))
+
+
+def test_only_rank_0_must_show_the_lowered_rings():
+    """nvFuser prints the host IR on device 0 only: the other ranks' rings are unseen, not mismatched;
+    rank 0 without its programs is a mismatch."""
+    from tpfuser.verify.check import compare_with_plan
+    cfg, layout, schedule = preset("tiny"), Layout(1, 2, sp=True), SCHEDULES["megatron-sp-ring"]
+    posted = {"forward": []}   # the forward posts no NCCL collective under the ring schedule, and no program here
+    assert compare_with_plan(posted, cfg, layout, 1, schedule)["forward"]["matches"] is True
+    assert compare_with_plan(posted, cfg, layout, 1, schedule)["forward"]["rings"]["matches"] is None
+    assert compare_with_plan(posted, cfg, layout, 0, schedule)["forward"]["matches"] is False
+    program = {"kind": "p2p program", "steps": 2, "p2p": [{"type": t, "backend": "nccl", "numel": 2048}
+                                                          for t in ("recv", "send")]}
+    assert compare_with_plan({"forward": [program] * 4}, cfg, layout, 0, schedule)["forward"]["matches"] is True
+
+
+def test_a_ring_runs_on_one_dp_row_and_a_team_of_one_runs_whole():
+    with pytest.raises(ValueError, match=r"overlap 'ring' .* runs on a 1 x tp mesh, got 2x2: nvFuser 0.2.36 numbers"):
+        SCHEDULES["megatron-sp-ring"].check(preset("tiny"), Layout(2, 2, sp=True))
+    colls = forward_collectives(preset("nanogpt"), Layout(1, 1, sp=True), SCHEDULES["megatron-sp-ring"])
+    assert {c.algorithm for c in colls} == {"whole"} and all("team of one" in c.whole_because for c in colls)

@@ -119,6 +119,7 @@ FEEDS_WEIGHT_GRADIENT = ("the gathered gradient feeds the weight gradient too: c
 RING_FEEDS_WEIGHT_GRADIENT = ("the gathered gradient feeds the weight gradient too, and nvFuser's ring returns the "
                               "product, not the gathered tensor (docs/overlap.md)")
 WHOLE_LAYERNORM = "the weight gradient reads the whole gathered LayerNorm output: not chunked"
+ONE_RANK = "a ring over a team of one sends nothing: the linear runs whole"
 STREAMS_FORWARD_ONLY = ("nvFuser's stream axis is applied to the forward's linears only here "
                         "(the fusions form chunks the backward's)")
 
@@ -143,7 +144,8 @@ def _as_run(c: Collective, schedule, tp: int) -> Collective:
     plan = schedule.linears[c.linear]
     if plan.overlap == "none":
         return c
-    why = whole_because(plan.overlap, c.kind, c.phase, c.site)
+    why = whole_because(plan.overlap, c.kind, c.phase, c.site) or (ONE_RANK if plan.overlap == "ring" and tp == 1
+                                                                   else "")
     if why:
         return Collective(**{**asdict(c), "whole_because": why})
     chunks = tp if plan.overlap == "ring" else plan.chunks

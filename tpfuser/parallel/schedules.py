@@ -140,6 +140,12 @@ class Schedule:
 
     def check(self, cfg: BlockConfig, layout: Layout) -> None:
         """Refuse, in one line, what this schedule cannot do for this block on this mesh."""
+        rings = [name for name, plan in self.chunked().items() if plan.overlap == "ring"]
+        if rings and layout.dp != 1:
+            raise ValueError(f"schedule {self.name!r}: overlap 'ring' ({', '.join(rings)}) runs on a 1 x tp mesh, got "
+                             f"{layout.dp}x{layout.tp}: nvFuser 0.2.36 numbers a ring's peers by the global rank "
+                             f"modulo tp (csrc/host_ir/pass/stream_parallel_type.cpp), so dp row 1's ranks wait on "
+                             f"row 0's; docs/overlap.md")
         for linear, plan in self.chunked().items():
             if plan.overlap == "ring" and plan.chunks not in (1, layout.tp):
                 raise ValueError(f"schedule field 'linears.{linear}.chunks': expected {layout.tp} (a ring runs one "
