@@ -28,6 +28,7 @@ from tpfuser.outputs import read_json
 from tpfuser.parallel.linear_schedule import COLUMN, ROW, ChunksRefused, LinearSchedule, refuse as _refuse
 from tpfuser.parallel.placements import LINEAR_STYLES
 
+
 @dataclass(frozen=True)
 class Schedule:
     """The whole block's schedule; `linears` by name (LINEARS). cuts: where the
