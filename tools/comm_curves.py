@@ -75,6 +75,16 @@ def comm_json(tables: dict, source: str, about: dict) -> dict:
     return {"source": source, "tables": tables, **about}
 
 
+def keep_kinds(source: str, target: str, kinds) -> None:
+    """A file of this script's with the tables of `kinds` alone (those a reader takes), into target;
+    nothing where source is not a file."""
+    if os.path.isfile(source):
+        with open(source) as f:
+            data = json.load(f)
+        with open(target, "w") as f:
+            json.dump({**data, "tables": {k: t for k, t in data["tables"].items() if k in kinds}}, f, indent=1)
+
+
 def _operation(kind, size, group, rank, team, dev):
     """A callable of one operation of `kind` on `size` bytes over the team, on this rank's device."""
     import torch
