@@ -52,7 +52,9 @@ def test_every_process_runs_with_multicast_off_down_to_the_ranks(monkeypatch):
     environ = {"NCCL_NVLS_ENABLE": "1", "PATH": "/bin", "NVFUSER_MASTER_PORT": "1"}   # as if left on
     jobs, _ = multigpu.plan_jobs(8, ["gpt3", "nanogpt"], list(SCHEDULES))
     steps = multigpu.plan_steps(jobs, "gpu_out/x", _args(), environ)
-    assert len(steps) == 2 + 4 * sum(j.schedule is not None for j in jobs) + 2 * sum(j.schedule is None for j in jobs)
+    assert len(steps) == 2 * 4 + 4 * sum(j.schedule is not None for j in jobs) + 2 * sum(j.schedule is None for j in jobs)
+    assert [s.id for s in steps[:2]] == ["comm/tp8", "calibrate/tp8"]   # each tp's curves and pieces before its jobs
+    assert steps[2 + 4 * 12 + 4].id == "comm/tp5"                       # (gpt3 at tp 8: 12 schedules, 2 peers)
     for step in steps:
         assert {k: step.env.get(k) for k in MULTICAST_OFF} == MULTICAST_OFF, step.id
         assert "NVFUSER_MASTER_PORT" not in step.env
@@ -88,7 +90,7 @@ def test_predict_reads_the_machines_curves_and_calibration_where_they_came(tmp_p
     curves = {"source": "made up", "tables": {k: {"sizes": [1024], "busbw_gbps": [1.0], "ranks": 8}
                                               for k in ("allreduce", "allgather", "reducescatter", "sendrecv")}}
     (tmp_path / "comm" / "comm_table_tp8.json").write_text(json.dumps(curves))
-    (tmp_path / "calibration.json").write_text(json.dumps({"presets": {}}))       # no gpt3 in it: left out
+    (tmp_path / "calibration_tp8.json").write_text(json.dumps({"presets": {}}))   # no gpt3 in it: left out
     cmd = multigpu.command(step)
     assert cmd == step.cmd + ["--comm-table", f"{tmp_path}/comm/plan_tp8.json"]
     assert set(json.loads((tmp_path / "comm" / "plan_tp8.json").read_text())["tables"]) == {
@@ -170,9 +172,10 @@ def test_a_dry_run_prints_the_steps_and_runs_none(capsys, monkeypatch):
     assert lines[0].startswith("multigpu: 2 GPUs, 4 jobs, 13 steps, tp [2]; ranks share the GPU(s): no time here "
                                "is a speed figure; every step's environment: NCCL_NVLS_ENABLE=0 "
                                "TORCH_SYMM_MEM_DISABLE_MULTICAST=1")
-    assert lines[1].startswith("calibrate (bound 420 s):")
+    assert lines[1].startswith("calibrate/tp2 (bound 420 s): ")
+    assert lines[1].endswith("tools/calibrate.py --preset tiny --tp 2 --json results/tmp/multigpu/calibration_tp2.json")
     assert any(l.startswith("tiny_tp2_megatron-sp-ring/fwd (bound 420 s, after tiny_tp2_megatron-sp-ring/check)")
-               and l.endswith("--share-gpu --json gpu_out/multigpu/tiny_tp2_megatron-sp-ring/bench.json")
+               and l.endswith("--share-gpu --json results/tmp/multigpu/tiny_tp2_megatron-sp-ring/bench.json")
                for l in lines)
 
 
@@ -189,6 +192,8 @@ def test_predict_runs_on_the_cpu_with_the_machines_curves(tmp_path):
     (tmp_path / "comm" / "comm_table_tp8.json").write_text(json.dumps({"source": "made up", "tables": {
         k: {"sizes": sizes, "busbw_gbps": [50.0, 300.0], "ranks": 8} for k in
         ("allreduce", "allgather", "reducescatter", "sendrecv", "copyengine")}}))
+    calibration = os.path.join(multigpu.ROOT, "results", "calibration", "h100.json")   # as if measured here
+    (tmp_path / "calibration_tp8.json").write_text(open(calibration).read())
     cwd = os.getcwd()
     try:
         os.chdir(multigpu.ROOT)
@@ -200,5 +205,5 @@ def test_predict_runs_on_the_cpu_with_the_machines_curves(tmp_path):
     data, text = multigpu.table([job], [], str(tmp_path), multigpu.environment(8, []))
     row = data["rows"][0]
     assert row["passes"]["forward"]["measured_ms"] is None and row["passes"]["forward"]["predicted_ms"] > 0
-    assert row["interconnect"].endswith("+given") and row["calibration"].endswith(".json")
+    assert row["interconnect"].endswith("+given") and row["calibration"].endswith("calibration_tp8.json")
     assert "checks (bf16, every rank against the reference, collectives as planned): 0 of 0 passed" in text

@@ -1,7 +1,7 @@
 """Every named schedule timed on a machine with a GPU per rank, at tp 2, 4 and 8
 (5 for nanogpt's 25 heads), and `tpfuser plan --predict` held against it:
 
-    python3 tools/multigpu.py [--out gpu_out/multigpu] [--send DIR] [--deadline-s S] [--gpus N] [--dry-run]
+    python3 tools/multigpu.py [--out results/tmp/multigpu] [--send DIR] [--deadline-s S] [--gpus N] [--dry-run]
         [--share-gpu] [--presets gpt3 nanogpt] [--schedules A,B] [--jobs GLOB ...] [--skip KIND ...]
 
 A job is a preset at a tp (up to the GPUs) under a named schedule that takes
@@ -10,12 +10,12 @@ steps, each a process run alone (timings need the machine alone), are
 `check --dtype bf16 --collectives` (every rank against the reference), then
 `bench --profile` forward and `--train` (nvfuser, and nvfuser-graph where the
 schedule can be captured) if the check passed, then `plan --predict` on the
-machine's calibration and curves where they came. Before the jobs: `comm`
-(tools/comm_curves.py under torchrun, a team of each tp) and `calibrate`
-(tools/calibrate.py on one GPU); beside them, for each preset and tp, torch's
-peers (`bench --impl dtensor`, and under SP `dtensor,dtensor-async`).
-Everything lands in OUT (<job>/check.json, bench.json, bench_train.json,
-plan.json; comm/, calibration.json), each step's record (exit status, seconds,
+machine's calibration and curves where they came. Before a tp's first job:
+`comm/tp<t>` (tools/comm_curves.py under torchrun, t ranks) and
+`calibrate/tp<t>` (tools/calibrate.py on one GPU); beside the jobs, for each
+preset and tp, torch's peers (`bench --impl dtensor`, and under SP
+`dtensor,dtensor-async`). Everything lands in OUT (<job>/check.json,
+bench.json, bench_train.json, plan.json; comm/, calibration_tp<t>.json), each step's record (exit status, seconds,
 command, log) in OUT/steps.jsonl as it ends; a recorded step is not run again
 (--redo: it is), so a later call goes on where one stopped. A step is bounded
 by --step-s (every rank it started ended past it), cut to what --deadline-s
@@ -80,7 +80,7 @@ class Job:
 
 @dataclass
 class Step:
-    id: str                 # "comm", "calibrate", "<job>/<kind>"
+    id: str                 # "comm/tp<t>", "calibrate/tp<t>", "<job>/<kind>"
     kind: str               # STEP_KINDS
     cmd: list[str]
     bound_s: float
@@ -132,19 +132,21 @@ def run_env(environ: dict, bound_s: float, out: str, kernel_cache: bool = True) 
 
 
 def plan_steps(jobs, out: str, args, environ) -> list[Step]:
-    tps, presets = sorted({j.tp for j in jobs}), sorted({j.preset for j in jobs})
     share, bound = (["--share-gpu"] if args.share_gpu else []), args.step_s
     env = run_env(environ, bound, out, not args.cold)
     steps = []
-    if tps and not args.share_gpu:   # (ranks sharing a GPU have no link between GPUs to measure)
-        steps.append(Step("comm", "comm", [PY, "-m", "torch.distributed.run", "--standalone",
-                                           f"--nproc-per-node={max(tps)}", "tools/comm_curves.py", "--out",
-                                           f"{out}/comm", "--teams", *map(str, tps)], bound, env))
-    if tps:
-        steps.append(Step("calibrate", "calibrate", [PY, "tools/calibrate.py", "--preset", *presets, "--tp",
-                                                     *map(str, tps), "--json", f"{out}/calibration.json"], bound, env))
     for job in jobs:
-        d, block = f"{out}/{job.name}", ["--preset", job.preset, "--tp", str(job.tp)]
+        tp = job.tp
+        if not any(s.id.endswith(f"/tp{tp}") for s in steps):   # before a tp's first job, its curves and pieces
+            if not args.share_gpu:   # (ranks sharing a GPU have no link between GPUs to measure)
+                steps.append(Step(f"comm/tp{tp}", "comm", [PY, "-m", "torch.distributed.run", "--standalone",
+                                                           f"--nproc-per-node={tp}", "tools/comm_curves.py", "--out",
+                                                           f"{out}/comm", "--teams", str(tp)], bound, env))
+            presets = sorted({j.preset for j in jobs if j.tp == tp})
+            steps.append(Step(f"calibrate/tp{tp}", "calibrate", [PY, "tools/calibrate.py", "--preset", *presets,
+                                                                 "--tp", str(tp), "--json",
+                                                                 f"{out}/calibration_tp{tp}.json"], bound, env))
+        d, block = f"{out}/{job.name}", ["--preset", job.preset, "--tp", str(tp)]
         if job.schedule is None:
             bench = [PY, "-m", "tpfuser.bench", *block, *(["--sp"] if job.sp else []), "--impl",
                      "dtensor,dtensor-async" if job.sp else "dtensor", "--profile", "--iters", str(args.iters), *share]
@@ -163,8 +165,8 @@ def plan_steps(jobs, out: str, args, environ) -> list[Step]:
                        bound, env, check),
                   Step(f"{job.name}/predict", "predict", [PY, "-m", "tpfuser.cli", "plan", *block, "--predict",
                                                           "--json", f"{d}/plan.json"], 120, env, job=job,
-                       optional={"--calibration": f"{out}/calibration.json",
-                                 "--comm-table": f"{out}/comm/plan_tp{job.tp}.json"})]
+                       optional={"--calibration": f"{out}/calibration_tp{tp}.json",
+                                 "--comm-table": f"{out}/comm/plan_tp{tp}.json"})]
     return [s for s in steps if s.kind not in args.skip]
 
 
@@ -177,7 +179,8 @@ def command(step: Step) -> list[str]:
             keep_kinds(path.replace("/plan_tp", "/comm_table_tp"), path, comm.KINDS)
         if option == "--calibration" and os.path.isfile(path):
             try:
-                read_calibration(path).pieces(step.job.preset, step.job.tp, SCHEDULES[step.job.schedule].sequence_parallel)
+                job = step.job
+                read_calibration(path).pieces(job.preset, job.tp, SCHEDULES[job.schedule].sequence_parallel)
             except ValueError:
                 continue
         if os.path.isfile(path):
@@ -276,7 +279,7 @@ def environment(gpus: int, argv) -> dict:
 
 def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="gpu_out/multigpu", help="inside the checkout (default gpu_out/multigpu)")
+    ap.add_argument("--out", default="results/tmp/multigpu", help="inside the checkout (default results/tmp/multigpu)")
     ap.add_argument("--send", default=None, metavar="DIR", help="also DIR/multigpu.tar.gz (OUT) and the table there")
     ap.add_argument("--gpus", type=int, default=None, help="plan for N GPUs (default: the machine's)")
     ap.add_argument("--dry-run", action="store_true", help="print the steps, run none")
