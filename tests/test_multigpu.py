@@ -58,6 +58,8 @@ def test_every_process_runs_with_multicast_off_down_to_the_ranks(monkeypatch):
     for step in steps:
         assert {k: step.env.get(k) for k in MULTICAST_OFF} == MULTICAST_OFF, step.id
         assert "NVFUSER_MASTER_PORT" not in step.env
+        assert step.env["TPFUSER_KERNEL_CACHE"] == os.path.join(multigpu.ROOT, "gpu_out/x-kernels")   # beside OUT
+    assert not any("TPFUSER_KERNEL_CACHE" in s.env for s in multigpu.plan_steps(jobs, "o", _args(cold=True), {}))
     cmd, env = torchrun_command(Layout(1, 8), ["check"], steps[-1].env)   # a tpfuser launch keeps them
     assert {k: env[k] for k in MULTICAST_OFF} == MULTICAST_OFF
 
@@ -116,7 +118,7 @@ def test_the_run_loop_skips_a_bench_whose_check_failed_and_goes_on_where_it_stop
     seen.unlink()
     multigpu.run_steps(steps, str(tmp_path), _args())                  # all recorded: none runs again
     assert not seen.exists() and len(open(f"{tmp_path}/steps.jsonl").readlines()) == 3
-    multigpu.run_steps(steps, str(tmp_path), _args(deadline_s=100))    # too little time left: none starts
+    multigpu.run_steps(steps, str(tmp_path), _args(deadline_s=100, redo=True))   # too little time: none starts
     assert not seen.exists()
 
 

@@ -121,12 +121,13 @@ def plan_jobs(gpus: int, presets, schedules) -> tuple[list[Job], list[tuple[str,
 
 def run_env(environ: dict, bound_s: float, out: str, kernel_cache: bool = True) -> dict:
     """Every step's environment: NVLink multicast off, this checkout first on the path, its bound, and
-    nvFuser's kernels kept across the steps (a job's check compiles what its benches run)."""
+    nvFuser's kernels kept across the steps (a job's check compiles what its benches run), beside OUT
+    (neither packed nor carried with it)."""
     env = {**environ, **MULTICAST_OFF, "PYTHONUNBUFFERED": "1", "TPFUSER_TIMEOUT_S": str(int(bound_s))}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, environ.get("PYTHONPATH")) if p)
     env.pop("NVFUSER_MASTER_PORT", None)   # each run's own (tpfuser/dist/launch.py)
     if kernel_cache:
-        env["TPFUSER_KERNEL_CACHE"] = os.path.join(ROOT, out, "kernels")
+        env["TPFUSER_KERNEL_CACHE"] = os.path.join(ROOT, f"{out}-kernels")
     assert not multicast_left_on(env), multicast_left_on(env)
     return env
 
@@ -193,7 +194,7 @@ def run_steps(steps, out: str, args) -> None:
     done = {} if args.redo else read_records(log_path)
     end = time.monotonic() + args.deadline_s - 30   # (the table's time)
     for step in steps:
-        left = end - time.monotonic() - 100   # (a bounded step's stacks and ending take up to 100 s more)
+        left = end - time.monotonic() - 50   # (a step past its bound: 30 s more, then up to 15 s to end it)
         if step.id in done or left < 60:
             print(f"== {step.id}: " + ("recorded before" if step.id in done else "not started, past --deadline-s"))
             continue
@@ -207,8 +208,8 @@ def run_steps(steps, out: str, args) -> None:
             os.makedirs(os.path.dirname(log), exist_ok=True)
             print(f"== {step.id} (bound {bound:.0f} s): {shlex.join(cmd)}", flush=True)
             began = time.monotonic()
-            with open(log, "w") as f:   # (past its bound a tpfuser launch ends its ranks; 90 s later, this ends it)
-                rc = run_bounded_all([cmd], {**step.env, "TPFUSER_TIMEOUT_S": str(int(bound))}, bound + 90,
+            with open(log, "w") as f:   # (past its bound a tpfuser launch ends its ranks; 30 s later, this ends it)
+                rc = run_bounded_all([cmd], {**step.env, "TPFUSER_TIMEOUT_S": str(int(bound))}, bound + 30,
                                      stdouts=[f], merge_stderr=True)[0]
             record.update(rc=rc, seconds=round(time.monotonic() - began, 1), command=shlex.join(cmd), log=log)
             print(f"   exit {rc} after {record['seconds']} s", flush=True)
