@@ -15,19 +15,19 @@ machine's calibration and curves where they came. Before a tp's first job:
 `calibrate/tp<t>` (tools/calibrate.py on one GPU); beside the jobs, for each
 preset and tp, torch's peers (`bench --impl dtensor`, and under SP
 `dtensor,dtensor-async`). Everything lands in OUT (<job>/check.json,
-bench.json, bench_train.json, plan.json; comm/, calibration_tp<t>.json), each step's record (exit status, seconds,
-command, log) in OUT/steps.jsonl as it ends; a recorded step is not run again
-(--redo: it is), so a later call goes on where one stopped. A step is bounded
-by --step-s (every rank it started ended past it), cut to what --deadline-s
-leaves: every step ends by then. Last OUT/table.txt and table.json (tpfuser/bench/predicted.py: each
-pass measured against predicted, > 10 % flagged; the checks; the peers; date,
+bench.json, bench_train.json, plan.json; comm/; calibration_tp<t>.json); each
+step's record (exit status, seconds, command, log) in OUT/steps.jsonl as it
+ends. A recorded step is not run again (--redo: it is), so a later call goes
+on where one stopped. A step is bounded by --step-s (every rank it started
+ended past it), cut to what --deadline-s leaves: every step ends by then.
+Last, OUT/table.txt and table.json (tpfuser/bench/predicted.py: each pass
+measured against predicted, past 10 % flagged; the checks; the peers; date,
 GPUs, versions, command, commit); --send DIR packs OUT into
 DIR/multigpu.tar.gz beside them (a device call returns eight files at most).
 
 Every process runs with NVLink multicast off (comm_curves.MULTICAST_OFF,
-asserted). --share-gpu: the ranks share the GPUs there are, --gpus N of them
-(a dry run of the whole on one GPU: its table says its times are not speed
-figures). --dry-run prints the steps and runs none.
+asserted). --share-gpu: --gpus N ranks share the GPUs there are (a dry run on
+one GPU: its table says its times are not speed figures). --dry-run prints the steps.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ from comm_curves import MULTICAST_OFF, keep_kinds, multicast_left_on  # noqa: E4
 from tpfuser.bench.predicted import compare, format_rows  # noqa: E402
 from tpfuser.config import Layout, preset  # noqa: E402
 from tpfuser.dist.launch import run_bounded_all  # noqa: E402
-from tpfuser.outputs import write_json, write_output  # noqa: E402
+from tpfuser.outputs import read_json, write_json, write_output  # noqa: E402
 from tpfuser.parallel.linear_schedule import graphs_refused  # noqa: E402
 from tpfuser.parallel.schedules import SCHEDULES, default_schedule, known_failure  # noqa: E402
 from tpfuser.predict import comm  # noqa: E402
@@ -228,9 +228,8 @@ def read_records(path: str) -> dict:
 
 def _load(path: str) -> dict | None:
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+        return read_json(path, "report")
+    except ValueError:   # not there (the step did not run, or failed before writing it)
         return None
 
 
@@ -300,6 +299,7 @@ def parse(argv):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
+    args.send = args.send and os.path.abspath(args.send)   # (the steps run in the checkout)
     here = torch.cuda.device_count() if torch.cuda.is_available() else 0
     gpus = here if args.gpus is None else args.gpus
     schedules = [s for s in args.schedules.split(",") if s]
@@ -334,15 +334,14 @@ def main(argv=None) -> int:
     os.makedirs(out, exist_ok=True)
     run_steps(steps, out, args)
     data, text = table(jobs, left, out, environment(gpus, argv))
-    write_json(f"{out}/table.json", data)
-    write_output(f"{out}/table.txt", text + "\n")
     print(text)
+    for folder in filter(None, (out, args.send)):
+        os.makedirs(folder, exist_ok=True)
+        write_json(f"{folder}/table.json", data)
+        write_output(f"{folder}/table.txt", text + "\n")
     if args.send:
-        os.makedirs(args.send, exist_ok=True)
         with tarfile.open(os.path.join(args.send, "multigpu.tar.gz"), "w:gz") as tar:
             tar.add(out, arcname=os.path.basename(out))
-        write_json(os.path.join(args.send, "table.json"), data)
-        write_output(os.path.join(args.send, "table.txt"), text + "\n")
     return 0
 
 
