@@ -331,3 +331,17 @@ def test_the_table_says_the_warm_up_and_keeps_long_names_aligned():
     assert len({line.index(f"{rep['results'][line.split()[0]]['median_ms']:.3f}") + len(
         f"{rep['results'][line.split()[0]]['median_ms']:.3f}") for line in rows}) == 1   # one right edge
     assert table[-1] == f"warm-up 13.2 s (building 3.2, then each: {long} 9.5, eager 0.5)"
+
+
+def test_the_table_gives_each_ranks_communication_where_its_trace_has_some():
+    """bench --profile on a mesh: a line of each rank's communication and its exposed part (made-up figures)."""
+    rep = copy.deepcopy(next(json.load(open(p)) for p in REPORTS if "profile" in str(json.load(open(p)))))
+    name = next(n for n, r in rep["results"].items() if "profile" in r)
+    before = format_table(rep)
+    total = lambda ms, exposed: {"total": {"ms_per_call": ms, "exposed_ms_per_call": exposed}}   # noqa: E731
+    rep["results"][name]["profile"]["comm_by_rank"] = [total(0.5, 0.25), total(0.625, 0.125)]
+    added = [line for line in format_table(rep).splitlines() if line not in before.splitlines()]
+    assert [line.strip() for line in added] == [
+        "communication a call, rank by rank: 0.500 ms (0.250 exposed), 0.625 ms (0.125 exposed)"]
+    rep["results"][name]["profile"]["comm_by_rank"] = [total(0.0, 0.0)]     # one GPU: nothing to say
+    assert format_table(rep) == before

@@ -1,7 +1,8 @@
 """The parameter gradients' sum over dp, after the backward fusion
 (ShardedBlock.sum_over_dp, world.dp_group), on the CPU: four gloo ranks of
 a 2x2 layout, each summing with the rank holding its tp shard in the other dp
-row; and the benchmark's per-sample slowest rank (bench._slowest_rank)."""
+row; and the benchmark's per-sample slowest rank (bench.run._slowest_rank) of
+every rank's samples (bench.run._every_rank)."""
 import os
 import tempfile
 
@@ -22,8 +23,9 @@ def _rank(rank, world, init_file, results):
                              dp_group=dp_group(layout, rank))
         grads = [torch.full((3, 2), float(rank), dtype=torch.bfloat16), torch.arange(4.0) * (rank + 1)]
         summed = block.sum_over_dp(grads)
-        from tpfuser.bench.run import _slowest_rank
-        slowest = _slowest_rank({"a": [float(rank), 10.0 - rank]}, 4)["a"]
+        from tpfuser.bench.run import _every_rank, _slowest_rank
+        every = _every_rank({"a": [float(rank), 10.0 - rank]}, 4)
+        slowest = [every[3]["a"]] + _slowest_rank(every)["a"]
         results[rank] = [g.tolist() for g in summed] + [str(t.dtype) for t in summed] + [slowest]
     finally:
         dist.destroy_process_group()
@@ -38,7 +40,7 @@ def test_parameter_gradients_are_summed_over_the_dp_group_only():
     for rank in range(4):
         partner = (rank + 2) % 4
         filled, ramp, dtype_a, dtype_b, slowest = results[rank]
-        assert slowest == [3.0, 10.0]     # every rank: each sample's largest time over the ranks
+        assert slowest == [[3.0, 7.0], 3.0, 10.0]     # rank 3's samples; each sample's largest over the ranks
         assert filled == [[float(rank + partner)] * 2] * 3
         assert ramp == [i * (rank + 1 + partner + 1) for i in range(4)]
         assert (dtype_a, dtype_b) == ("torch.bfloat16", "torch.float32")   # each gradient keeps its dtype

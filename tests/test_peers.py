@@ -1,6 +1,7 @@
-"""The DTensor tensor-parallel peer (tpfuser/peers.py), run on the CPU: two
+"""The DTensor tensor-parallel peer (tpfuser/bench/peers.py), run on the CPU: two
 ranks over gloo, each checking its forward output and the gathered gradients
-against the unsharded reference."""
+against the unsharded reference; with sequence parallelism each rank holds
+its part of the sequence of the input, the output and their gradients."""
 import os
 import tempfile
 
@@ -11,7 +12,7 @@ from tpfuser.config import preset
 from tpfuser.verify.reference import make_block, make_input
 
 
-def _rank(rank, world, init_file, results):
+def _rank(rank, world, sp, init_file, results):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from tpfuser.bench.peers import dtensor_block, full_grads
@@ -20,13 +21,17 @@ def _rank(rank, world, init_file, results):
     try:
         cfg = preset("tiny", dtype="fp32", dropout=0.0)
         ref = make_block(cfg).double()
-        x, g = make_input(cfg).double(), make_input(cfg, seed=2).double()
-        block = dtensor_block(ref, init_device_mesh("cpu", (world,)))
-        out = sdpa_forward(block, x, 0.0, heads_interleaved=True)
-        out.backward(g)
+        x, g = make_input(cfg).double().requires_grad_(True), make_input(cfg, seed=2).double()
+        block = dtensor_block(ref, init_device_mesh("cpu", (world,)), sequence_parallel=sp)
+        part = slice(rank * cfg.seq // world, (rank + 1) * cfg.seq // world) if sp else slice(None)
+        x_local = x.detach()[:, part].requires_grad_(True)
+        out = sdpa_forward(block, x_local, 0.0, heads_interleaved=True)
+        out.backward(g[:, part])
         expected = ref(x)
         expected.backward(g)
-        errors = {"out": ((out - expected).norm() / expected.norm()).item()}
+        expected, x_grad = expected[:, part], x.grad[:, part]
+        errors = {"out": ((out - expected).norm() / expected.norm()).item(),
+                  "x": ((x_local.grad - x_grad).norm() / x_grad.norm()).item()}
         ref_grads = dict(ref.named_parameters())
         for name, grad in full_grads(block).items():
             errors[name] = ((grad - ref_grads[name].grad).norm() / ref_grads[name].grad.norm()).item()
@@ -36,12 +41,13 @@ def _rank(rank, world, init_file, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
 @pytest.mark.parametrize("world", [2])
-def test_dtensor_peer_matches_reference_float64(world):
+def test_dtensor_peer_matches_reference_float64(world, sp):
     with tempfile.TemporaryDirectory() as tmp:
         manager = mp.get_context("spawn").Manager()
         results = manager.dict()
-        mp.spawn(_rank, args=(world, os.path.join(tmp, "init"), results), nprocs=world, join=True)
+        mp.spawn(_rank, args=(world, sp, os.path.join(tmp, "init"), results), nprocs=world, join=True)
         results = dict(results)
     cfg = preset("tiny")
     for rank in range(world):

@@ -245,6 +245,9 @@ def test_bench_refuses_what_this_machine_cannot_run(capsys):
     """Each refusal names the thing, what it needs and what came, before any GPU work."""
     cases = [
         (["--impl", "dtensor"], "implementation 'dtensor': needs tp > 1"),
+        (["--impl", "dtensor-async"], "implementation 'dtensor-async': needs tp > 1"),
+        (["--tp", "2", "--preset", "tiny", "--impl", "dtensor-async"],
+         "implementation 'dtensor-async': needs sequence parallelism (--sp)"),
         (["--impl", "flash"], "implementation 'flash': must be one of"),
         (["--dp", "2", "--impl", "nvfuser-nomesh", "--preset", "tiny"], "'nvfuser-nomesh': one GPU only, the mesh is 2x1"),
         (["--tp", "3", "--preset", "tiny"], "n_head=8: must be divisible by tp=3"),

@@ -50,6 +50,13 @@
 #           2x2 (ranks sharing the GPU), TP and SP, fp32 and bf16, forward and backward, collectives as planned
 #           (QUICK_JOBS picks some: "nano11 tiny12 tiny12sp tiny22 ovl12 ovl12sp", or tiny22sp, tiny14sp; JOB@SCHEDULE runs
 #           any but the ovl ones at a named schedule, e.g. "tiny12sp@megatron-sp-cut-linears"); bound QUICK_S
+#   multi   several GPUs, a GPU per rank: tools/multigpu.py, every schedule at tp 2, 4, 8 (nanogpt 5) checked on
+#           every rank, then its forward and training step benched (--profile: each rank's collectives from its
+#           trace), torch's peers (dtensor, dtensor-async), the machine's curves (tools/comm_curves.py) and
+#           calibration, and plan --predict held against each; its state in MULTI_STATE (default
+#           results/tmp/multigpu: a later call goes on where one stopped), its table and an archive of the state
+#           in $OUT/multigpu; MULTI_ARGS: more arguments (--jobs gpt3_tp8_*; on one GPU: --gpus 2 --share-gpu,
+#           not for speed); bound MULTI_S (the tool ends its last step and writes its table before it)
 # SUITE_S: no step starts after this many seconds. At most 8 files come back from
 # the device: the summary, and everything else in run.tar.gz.
 set -uo pipefail
@@ -344,6 +351,13 @@ step_calibrate() {
   echo "== calibration: one rank's pieces timed on this GPU (tools/calibrate.py ${CALIBRATE_PRESETS:-gpt3 nanogpt})"
   T ${CALIBRATE_S:-300} -- python3 tools/calibrate.py --preset ${CALIBRATE_PRESETS:-gpt3 nanogpt} --tp 1 2 4 5 8 \
     ${CALIBRATE_ARGS:-} --json "$OUT/calibration.json" 2>&1 | tee "$OUT/calibrate.log" | tail -30
+}
+
+step_multi() {
+  echo "== several GPUs: every schedule timed and held against plan --predict (tools/multigpu.py ${MULTI_ARGS:-})"
+  local s=$((END - SECONDS)); (( s > ${MULTI_S:-540} )) && s=${MULTI_S:-540}
+  T $s -- python3 tools/multigpu.py --out "${MULTI_STATE:-results/tmp/multigpu}" --send "$OUT/multigpu" \
+    --deadline-s $((s - 20)) ${MULTI_ARGS:-} 2>&1 | tee "$OUT/multi.log" | tail -60
 }
 
 unset NVFUSER_MASTER_PORT   # single-process runs pick a free port (tpfuser/world.py): concurrent steps do not collide

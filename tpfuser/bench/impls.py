@@ -1,8 +1,8 @@
 """The implementations the benchmark times, each a callable of one call (a
 forward, or a training step): nvFuser's block under a schedule, called and
 replayed from CUDA graphs, and its peers (eager PyTorch, torch.compile with and
-without its CUDA graphs, DTensor's tensor parallelism, Thunder), all on the
-reference block's weights."""
+without its CUDA graphs, DTensor's tensor parallelism and torch's async TP
+(bench/peers.py), Thunder), all on the reference block's weights."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tpfuser.bench.measure import failure, saved_activation_bytes
-from tpfuser.bench.peers import dtensor_block
+from tpfuser.bench.peers import DTENSOR_IMPLS, dtensor_peers
 from tpfuser.bench.report import WORK_ONLY
 from tpfuser.bench.thunder_peer import THUNDER_IMPLS, thunder_forward, thunder_missing
 from tpfuser.config import Layout
@@ -32,7 +32,7 @@ from tpfuser.verify.reference import sdpa_forward
 # GEMMs and attention take under the conditions the block runs in (the floor
 # itself is measured apart, after the loop: matmul_rate). Never a peer.
 IMPLS = ("nvfuser", "nvfuser-graph", "nvfuser-graph-fm", "nvfuser-nomesh",
-         "eager", "eager-graph", "compile", "compile-reduce-overhead", "compile-max-autotune", "dtensor",
+         "eager", "eager-graph", "compile", "compile-reduce-overhead", "compile-max-autotune", *DTENSOR_IMPLS,
          *THUNDER_IMPLS, *WORK_ONLY)
 # torch.compile's modes with its CUDA graphs (graph trees); max-autotune, by --impl only as
 # Thunder's (bench/thunder_peer.py), also tunes its GEMM and Triton kernels at the first call.
@@ -124,9 +124,12 @@ def check_impls(impls, layout: Layout, train: bool = False, schedule=None, cfg=N
             impl = base
         if impl not in IMPLS:
             raise ValueError(f"implementation {impl!r}: must be one of {IMPLS}")
-        if impl == "dtensor" and layout.tp == 1:
-            raise ValueError("implementation 'dtensor': needs tp > 1 (DTensor's tensor parallelism "
-                             "over several GPUs; --tp N)")
+        if impl in DTENSOR_IMPLS and layout.tp == 1:
+            raise ValueError(f"implementation {impl!r}: needs tp > 1 (DTensor's tensor parallelism "
+                             f"over several GPUs; --tp N)")
+        if impl == "dtensor-async" and not layout.sp:
+            raise ValueError("implementation 'dtensor-async': needs sequence parallelism (--sp): torch's async TP "
+                             "overlaps the all-gather before a matmul and the reduce-scatter after one")
         if impl in WORK_ONLY and (layout.world_size > 1 or train):
             raise ValueError(f"implementation {impl!r}: the block's forward work on one GPU only, "
                              f"not {'a training step' if train else f'a {layout.dp}x{layout.tp} mesh'}")
@@ -183,9 +186,8 @@ def forward_fns(cfg, ref, x, impls, layout, rank, groups, schedule):
     for impl in GRAPH_TREES:
         if impl in impls:
             fns[impl] = _graph_trees(ref, x, cfg.dropout, impl)
-    if "dtensor" in impls:
-        block = dtensor_block(ref, groups.tp_mesh)
-        fns["dtensor"] = lambda: sdpa_forward(block, x, cfg.dropout, heads_interleaved=True)
+    for impl, (forward, _) in dtensor_peers(ref, impls, groups and groups.tp_mesh, layout.sp, cfg.dropout).items():
+        fns[impl] = lambda forward=forward: forward(x)
     for impl, graphs in THUNDER_IMPLS.items():
         if impl in impls:
             fns[impl] = thunder_forward(ref, cfg.dropout, graphs, x)
@@ -260,9 +262,8 @@ def train_fns(cfg, ref, x, impls, layout, rank, groups, schedule):
     for impl, graphs in THUNDER_IMPLS.items():   # (its parameters are the reference block's)
         if impl in impls:
             forwards[impl] = (thunder_forward(ref, cfg.dropout, graphs, x), params, True)
-    if "dtensor" in impls:
-        block = dtensor_block(ref, groups.tp_mesh)
-        forwards["dtensor"] = (lambda: sdpa_forward(block, x, cfg.dropout, heads_interleaved=True), list(block.parameters()), True)
+    for impl, (forward, ps) in dtensor_peers(ref, impls, groups and groups.tp_mesh, layout.sp, cfg.dropout).items():
+        forwards[impl] = (lambda forward=forward: forward(x), ps, True)
     for impl, (fwd, ps, sum_dp) in forwards.items():
         def step(fwd=fwd, ps=ps, sum_dp=sum_dp and layout.dp > 1):
             fwd().backward(grad)

@@ -146,6 +146,59 @@ def kernel_summary(kernels: list[tuple], calls: int, median_ms: float, top: int 
     return summary
 
 
+# NCCL's kernels by the collective in their name (ncclDevKernel_AllGather_RING_LL, ..._SendRecv);
+# the copy engine's copies between GPUs are CUPTI's "Memcpy PtoP (Device -> Device)".
+NCCL_KINDS = ("allreduce", "allgather", "reducescatter", "sendrecv")
+
+
+def comm_kind(name: str) -> str | None:
+    """The communication a GPU activity is, by its name: one of NCCL_KINDS (an
+    NCCL kernel of another collective: "nccl"), "copyengine", or None (compute)."""
+    low = name.lower().replace("_", "")
+    if "memcpy ptop" in low:
+        return "copyengine"
+    if "nccl" not in low:
+        return None
+    return next((kind for kind in NCCL_KINDS if kind in low), "nccl")
+
+
+def _merged(spans) -> list[list[float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _alone(a: float, b: float, busy: list[list[float]]) -> float:
+    """The part of [a, b] outside the merged spans `busy`."""
+    return (b - a) - sum(max(0.0, min(b, y) - max(a, x)) for x, y in busy)
+
+
+def exposed_comm(kernels: list[tuple], calls: int) -> dict:
+    """Each kind of communication among profile_kernels' activities (comm_kind),
+    per call: its GPU time (ms_per_call), how many (count_per_call), and the part
+    of its time with no compute activity beside it (exposed_ms_per_call, on any
+    stream); "total": the union of all of them. An NCCL kernel's time includes
+    its wait for the other ranks: a rank that reaches a collective first shows
+    the others' lateness as exposed time."""
+    compute = _merged((start, start + us) for name, us, start in kernels if comm_kind(name) is None)
+    out: dict[str, dict] = {}
+    for name, us, start in kernels:
+        if (kind := comm_kind(name)) is None:
+            continue
+        row = out.setdefault(kind, {"ms_per_call": 0.0, "exposed_ms_per_call": 0.0, "count_per_call": 0.0})
+        row["ms_per_call"] += us / calls / 1e3
+        row["exposed_ms_per_call"] += _alone(start, start + us, compute) / calls / 1e3
+        row["count_per_call"] += 1 / calls
+    comm = _merged((start, start + us) for name, us, start in kernels if comm_kind(name) is not None)
+    out["total"] = {"ms_per_call": sum(b - a for a, b in comm) / calls / 1e3,
+                    "exposed_ms_per_call": sum(_alone(a, b, compute) for a, b in comm) / calls / 1e3}
+    return out
+
+
 def profile_kernels(fn, calls: int) -> list[tuple[str, float, float]]:
     """(name, microseconds, start microseconds) of the GPU activities (kernels,
     copies, fills) of `calls` calls of fn (torch.profiler)."""

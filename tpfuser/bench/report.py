@@ -121,6 +121,10 @@ def format_table(rep: dict) -> str:
                           if p.get("idle_before_ms_per_call") else ""))
             if "roofline" in p:
                 lines += roofline_lines(p["roofline"], w)
+            ranks = [c["total"] for c in p.get("comm_by_rank") or () if c and c["total"]["ms_per_call"] > 0]
+            if ranks:   # each rank's own trace (measure.exposed_comm)
+                lines.append(f"{'':<{w}}communication a call, rank by rank: " + ", ".join(
+                    f"{c['ms_per_call']:.3f} ms ({c['exposed_ms_per_call']:.3f} exposed)" for c in ranks))
     warm = rep.get("warmup_s")
     if warm:
         lines.append(f"warm-up {warm['total_s']:.1f} s (building {warm['built_s']:.1f}, then each: "

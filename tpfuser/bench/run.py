@@ -26,7 +26,9 @@ optional extra, skipped in one line where it is not installed).
 
 --profile: what each call's time goes to, kernel by kernel, against what its
 work takes at the rates measured here, and the GPU's idle gaps between kernels
-(bench/roofline.py)."""
+(bench/roofline.py); on a mesh, each rank's communication from its own trace,
+by kind, and the part of it no compute ran beside (measure.exposed_comm).
+Each rank's median is kept beside the slowest rank's samples' (median_ms_by_rank)."""
 
 from __future__ import annotations
 
@@ -38,8 +40,9 @@ import torch
 import torch.distributed as dist
 
 from tpfuser.bench.impls import check_impls, default_impls, forward_fns, train_fns, unavailable
-from tpfuser.bench.measure import (CALLS_PER_SAMPLE, allreduce_busbw, comm_floor_ms, copy_bandwidth, failure,
-                                   kernel_summary, matmul_rate, profile_kernels, profile_launches, sample)
+from tpfuser.bench.measure import (CALLS_PER_SAMPLE, allreduce_busbw, comm_floor_ms, copy_bandwidth,
+                                   exposed_comm, failure, kernel_summary, matmul_rate, profile_kernels,
+                                   profile_launches, sample)
 from tpfuser.bench.report import add_ratios
 from tpfuser.bench.roofline import roofline
 from tpfuser.bench.thunder_peer import THUNDER_IMPLS, thunder_note
@@ -51,16 +54,21 @@ from tpfuser.parallel.shard import local_slice
 from tpfuser.verify.reference import make_block, make_input
 
 
-def _slowest_rank(times: dict[str, list[float]], world: int) -> dict[str, list[float]]:
+def _every_rank(value, world: int) -> list:
+    """Each rank's value (any picklable), in rank order; every rank calls it alike."""
+    if world == 1:
+        return [value]
+    every: list = [None] * world
+    dist.all_gather_object(every, value)
+    return every
+
+
+def _slowest_rank(every: list[dict[str, list[float]]]) -> dict[str, list[float]]:
     """Per implementation and sample, the largest time over the ranks (a step
     takes as long as its slowest rank); an implementation that failed on some
-    rank is left out."""
-    if world == 1:
-        return times
-    every: list = [None] * world
-    dist.all_gather_object(every, times)
-    return {name: [max(rank[name][i] for rank in every) for i in range(len(times[name]))]
-            for name in times if all(name in rank for rank in every)}
+    rank is left out. every: each rank's times (_every_rank)."""
+    return {name: [max(rank[name][i] for rank in every) for i in range(len(samples))]
+            for name, samples in every[0].items() if all(name in rank for rank in every)}
 
 
 def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: int = 20, dropout=None,
@@ -132,7 +140,11 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
             phase("profiling")
         kernels = {name: profile_kernels(fn, CALLS_PER_SAMPLE) for name, fn in fns.items()} if profile else {}
         launches = {name: profile_launches(fn, CALLS_PER_SAMPLE) for name, fn in fns.items()} if profile else {}
-    times = _slowest_rank(times, layout.world_size)
+    by_rank = _every_rank(times, layout.world_size)
+    times = _slowest_rank(by_rank)
+    # Each rank's communication from its own trace (rank 0's kernels are the profile's)
+    comm_by_rank = _every_rank({name: exposed_comm(k, CALLS_PER_SAMPLE) for name, k in kernels.items()},
+                               layout.world_size)
     phase("the floor's matmul rate")
     rate = matmul_rate(cfg)
     bandwidth = copy_bandwidth()
@@ -149,7 +161,8 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
         med = statistics.median(ts)
         rows[name] = {"median_ms": med, "min_ms": min(ts), "max_ms": max(ts), "runs": len(ts),
                       "host_ms": statistics.median(host[name]),   # this rank's
-                      "tflops": flops / (med * 1e-3) / 1e12, "fraction_of_matmul_rate": floor_ms / med}
+                      "tflops": flops / (med * 1e-3) / 1e12, "fraction_of_matmul_rate": floor_ms / med,
+                      "median_ms_by_rank": [statistics.median(rank[name]) for rank in by_rank]}
     best_peer = add_ratios(rows)
     for name in rows:   # (an implementation that failed on another rank has no row)
         rows[name].update(memory.get(name, {}))
@@ -157,6 +170,7 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
             rows[name]["profile"] = kernel_summary(kernels[name], CALLS_PER_SAMPLE, rows[name]["median_ms"])
             rows[name]["profile"]["roofline"] = roofline(kernels[name], launches[name], CALLS_PER_SAMPLE, rate,
                                                          bandwidth, kind_flops)
+            rows[name]["profile"]["comm_by_rank"] = [rank.get(name) for rank in comm_by_rank]
     rep = {"preset": preset_name, "config": cfg.__dict__, "pass": "forward+backward" if train else "forward",
            "mesh": f"{layout.dp}x{layout.tp}", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "timing": f"CUDA events over {CALLS_PER_SAMPLE} back-to-back calls per sample, {iters} interleaved "

@@ -135,9 +135,9 @@ def sdpa_forward(block: Block, x: torch.Tensor, p: float, heads_interleaved: boo
     benchmark's eager and torch.compile peers; with heads_interleaved, c_attn's
     rows head by head, as DTensor's tensor-parallel peer holds them: each rank
     then sees whole heads)."""
-    b, s, _ = x.shape
     d = block.cfg.head_dim
     qkv = block.attn.c_attn(block.ln_1(x))
+    b, s = qkv.shape[:2]   # the whole sequence (x holds a rank's part of it under DTensor's sequence parallelism)
     if heads_interleaved:   # rows [h, 3, d] (shard.qkv_heads_interleaved)
         q, k, v = (t.transpose(1, 2) for t in qkv.view(b, s, -1, 3, d).unbind(3))    # (b, h, s, d)
     else:                   # nanoGPT's rows [3, h, d]
