@@ -19,9 +19,9 @@ busbw (nccl-tests' doc/PERFORMANCE.md) is size / time times BUS_FACTORS:
 2 (n-1)/n for an all-reduce (size: its buffer), (n-1)/n for an all-gather (its
 output) and a reduce-scatter (its input), 1 for a send/recv or copy-engine step
 (size: what each rank sends). DIR/comm_table_tp<t>.json holds one table per
-kind: allreduce, allgather, reducescatter, and sendrecv and copyengine, which a
-reader of predict/comm.py's KINDS alone does not take (tools/multigpu.py hands
-plan those it takes). Every rank needs NVLink multicast off (MULTICAST_OFF in
+kind: allreduce, allgather, reducescatter, and a ring's steps: sendrecv and
+copyengine (predict/comm.py's ALL_KINDS; tools/multigpu.py hands plan those it
+takes). Every rank needs NVLink multicast off (MULTICAST_OFF in
 its environment); nothing here creates a multicast object. --device cpu: a
 dry run of the script itself over gloo (no copy engine; perf_counter), its
 figures meaningless.

@@ -177,7 +177,7 @@ def command(step: Step) -> list[str]:
     cmd = list(step.cmd)
     for option, path in step.optional.items():
         if option == "--comm-table":
-            keep_kinds(path.replace("/plan_tp", "/comm_table_tp"), path, comm.KINDS)
+            keep_kinds(path.replace("/plan_tp", "/comm_table_tp"), path, comm.ALL_KINDS)
         if option == "--calibration" and os.path.isfile(path):
             try:
                 job = step.job
