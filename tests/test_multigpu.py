@@ -90,13 +90,14 @@ def test_predict_reads_the_machines_curves_and_calibration_where_they_came(tmp_p
     assert step.kind == "predict" and multigpu.command(step) == step.cmd          # neither came
     (tmp_path / "comm").mkdir()
     curves = {"source": "made up", "tables": {k: {"sizes": [1024], "busbw_gbps": [1.0], "ranks": 8}
-                                              for k in ("allreduce", "allgather", "reducescatter", "sendrecv")}}
+                                              for k in ("allreduce", "allgather", "reducescatter", "sendrecv",
+                                                        "latency")}}
     (tmp_path / "comm" / "comm_table_tp8.json").write_text(json.dumps(curves))
     (tmp_path / "calibration_tp8.json").write_text(json.dumps({"presets": {}}))   # no gpt3 in it: left out
     cmd = multigpu.command(step)
     assert cmd == step.cmd + ["--comm-table", f"{tmp_path}/comm/plan_tp8.json"]
     assert set(json.loads((tmp_path / "comm" / "plan_tp8.json").read_text())["tables"]) == {
-        "allreduce", "allgather", "reducescatter"}                                  # the kinds plan reads
+        "allreduce", "allgather", "reducescatter", "sendrecv"}                      # the kinds plan reads
 
 
 def _stand_in(tmp_path, name, code, kind="check", after=None):
