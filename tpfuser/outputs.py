@@ -21,6 +21,8 @@ import stat
 import sys
 import tempfile
 
+from tpfuser.strict_json import read_json  # noqa: F401 (re-exported: the readers of schedule files, calibrations)
+
 
 class ArgParser(argparse.ArgumentParser):
     """argparse with its refusals in one line, as every other refusal (no usage
@@ -207,15 +209,3 @@ def write_output(path, text: str, option: str = "output") -> None:
 
 def write_json(path, data, option: str = "--json") -> None:
     write_output(path, json.dumps(data, indent=1) + "\n", option)
-
-
-def read_json(path: str, what: str, error: type[ValueError] = ValueError):
-    """The JSON a file holds, or one line naming it (`what` the file is:
-    "schedule file", "calibration") where it is not a readable JSON file."""
-    if not os.path.isfile(path):   # (never opened: a named pipe would block)
-        raise error(f"{what} {path!r}: not a file")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise error(f"{what} {path!r}: not readable as JSON ({e})") from None

@@ -23,6 +23,7 @@ import stat
 import sys
 
 from tpfuser.outputs import ArgParser, check_writable, replacing
+from tpfuser.strict_json import MAX_BYTES, Refused, strict_loads
 
 MESH = re.compile(r"^[1-9][0-9]*x[1-9][0-9]*$")
 
@@ -139,7 +140,7 @@ def read_report(path: str) -> dict:
     where = "REPORT='-' (standard input)" if path == "-" else f"REPORT={path!r}"
     if path == "-":
         try:
-            text = sys.stdin.buffer.read()
+            text = sys.stdin.buffer.read(MAX_BYTES + 1)
         except (OSError, AttributeError, ValueError) as e:
             raise ValueError(f"{where}: standard input could not be read ({e})") from None
     else:
@@ -155,11 +156,15 @@ def read_report(path: str) -> dict:
         if not stat.S_ISREG(info.st_mode):
             raise ValueError(f"{where}: not a regular file (a pipe, socket or device); give a report's file "
                              f"(or - for standard input)")
+        if info.st_size > MAX_BYTES:   # (refused unread)
+            raise ValueError(f"{where}: {info.st_size} bytes; expected at most {MAX_BYTES} (a bench report)")
         try:
             with open(path, "rb") as f:
                 text = f.read()
         except OSError as e:
             raise ValueError(f"{where}: cannot be read ({e.strerror or e})") from None
+    if len(text) > MAX_BYTES:
+        raise ValueError(f"{where}: more than {MAX_BYTES} bytes; expected at most that (a bench report)")
     if not text.strip():
         raise ValueError(f"{where}: empty; expected a bench report's JSON (tpfuser bench --json)")
     try:
@@ -167,7 +172,9 @@ def read_report(path: str) -> dict:
     except UnicodeDecodeError as e:
         raise ValueError(f"{where}: not text (byte {e.start} is not UTF-8); expected a bench report's JSON") from None
     try:
-        rep = json.loads(decoded)
+        rep = strict_loads(decoded)
+    except Refused as e:
+        raise ValueError(f"{where}: {e}") from None
     except json.JSONDecodeError as e:
         if _cut_short(decoded):
             raise ValueError(f"{where}: cut short (its JSON ends inside an unclosed "

@@ -299,6 +299,7 @@ def default_schedule(layout: Layout) -> Schedule:
 
 _FIELDS = {f.name for f in dataclasses.fields(Schedule)}
 _LINEAR_FIELDS = {f.name for f in dataclasses.fields(LinearSchedule)}
+_FILE_BYTES = 1 << 20   # a schedule file's bound, refused unread: a schedule is a few hundred bytes
 
 
 def schedule_from_dict(data: dict) -> Schedule:
@@ -335,16 +336,14 @@ def schedule_from_dict(data: dict) -> Schedule:
 
 
 def load_schedule(spec) -> Schedule:
-    """A Schedule from a Schedule, a name in SCHEDULES, a dict
-    (schedule_from_dict) or the path of a JSON file holding one (a str or path-like)."""
-    if isinstance(spec, Schedule):
-        return spec
-    if isinstance(spec, (dict, os.PathLike)):
-        return schedule_from_dict(spec if isinstance(spec, dict) else read_json(os.fspath(spec), "schedule file"))
-    if not isinstance(spec, str):
+    """A Schedule from a Schedule, a name in SCHEDULES, a dict (schedule_from_dict)
+    or the path of a JSON file holding one (a str or path-like; at most _FILE_BYTES)."""
+    if isinstance(spec, (Schedule, dict)):
+        return spec if isinstance(spec, Schedule) else schedule_from_dict(spec)
+    if not isinstance(spec, (str, os.PathLike)):
         raise ValueError(f"schedule={spec!r}: expected a name ({', '.join(SCHEDULES)}), a dict or a JSON file")
     if spec in SCHEDULES:
         return SCHEDULES[spec]
-    if not os.path.isfile(spec):
+    if isinstance(spec, str) and not os.path.isfile(spec):
         raise ValueError(f"schedule {spec!r}: not a named schedule ({', '.join(SCHEDULES)}) nor a file")
-    return schedule_from_dict(read_json(spec, "schedule file"))
+    return schedule_from_dict(read_json(os.fspath(spec), "schedule file", max_bytes=_FILE_BYTES))

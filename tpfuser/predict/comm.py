@@ -20,11 +20,12 @@ NVSwitch. Times are in milliseconds.
 
 from __future__ import annotations
 
-import json
-import os
 import math
+import os
 import re
 from dataclasses import dataclass
+
+from tpfuser.strict_json import MAX_BYTES, parse_json
 
 KINDS = ("allreduce", "allgather", "reducescatter")
 KiB, MiB = 1 << 10, 1 << 20
@@ -233,6 +234,9 @@ def read_comm_table(spec: str) -> dict:
         raise ValueError(f"--comm-table={spec!r}: kind expected one of {', '.join(KINDS)}, got {kind!r}")
     if not os.path.isfile(path):   # (never opened: a named pipe would block)
         raise ValueError(f"--comm-table={spec!r}: {path!r} is not a regular file")
+    if os.path.getsize(path) > MAX_BYTES:   # (refused unread: nccl-tests' output is a few KB)
+        raise ValueError(f"--comm-table={spec!r}: {os.path.getsize(path)} bytes; expected at most {MAX_BYTES} "
+                         f"(nccl-tests output or a JSON table)")
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -242,8 +246,8 @@ def read_comm_table(spec: str) -> dict:
         raise ValueError(f"--comm-table={spec!r}: not text (expected nccl-tests output or JSON)") from None
     if not text.lstrip().startswith("{"):
         return {(t := parse_nccl_tests(text, kind or None, f"nccl-tests output {path}")).kind: t}
+    data = parse_json(text, f"--comm-table={spec!r}")
     try:
-        data = json.loads(text)
         source = data.get("source", path)
         out = {}
         for k, t in data["tables"].items():
@@ -259,7 +263,7 @@ def read_comm_table(spec: str) -> dict:
                               f"{source} ({path})")
     except _BadTable as e:
         raise ValueError(f"--comm-table={spec!r}: {e}") from None
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as e:
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise ValueError(f"--comm-table={spec!r}: expected nccl-tests output or JSON "
                          f"{{'tables': {{kind: {{'sizes', 'busbw_gbps'}}}}}}, got {type(e).__name__}: {e}") from None
     if kind:
