@@ -104,3 +104,124 @@ def test_a_bench_report_with_a_key_twice_or_past_its_bound_is_refused(tmp_path, 
     assert plot.main([str(tmp_path / "out.png"), str(big)]) == 2
     assert f"big.json': {big.stat().st_size} bytes; expected at most {16 << 20}" in refusal(capsys)
     assert sorted(os.listdir(tmp_path)) == ["big.json", "twice.json"]
+
+
+# -- Schedules: named ones cannot change; checked again where a block is built; options never applied -------------
+
+from tpfuser.block.form import LINEARS  # noqa: E402
+from tpfuser.parallel.schedules import SCHEDULES, LinearSchedule, Schedule, load_schedule  # noqa: E402
+
+MUTATIONS = [
+    ("set", lambda d: d.__setitem__("mlp.c_proj", LinearSchedule("column"))),
+    ("update", lambda d: d.update({"mlp.c_proj": LinearSchedule("column")})),
+    ("delete", lambda d: d.__delitem__("mlp.c_proj")),
+    ("pop", lambda d: d.pop("mlp.c_proj")),
+    ("setdefault", lambda d: d.setdefault("mlp.c_proj2", LinearSchedule("row"))),
+    ("clear", lambda d: d.clear()),
+    ("merge", lambda d: d.__ior__({"mlp.c_proj": LinearSchedule("column")})),
+]
+
+
+@pytest.mark.parametrize("change", [m[1] for m in MUTATIONS], ids=[m[0] for m in MUTATIONS])
+def test_a_named_schedule_cannot_be_changed_through_what_load_schedule_returns(change):
+    with pytest.raises(TypeError, match=r"^schedule 'megatron': its linears cannot be changed in place"):
+        change(load_schedule("megatron").linears)
+    assert {k: v.style for k, v in SCHEDULES["megatron"].linears.items()} == \
+        {"attn.c_attn": "column", "attn.c_proj": "row", "mlp.c_fc": "column", "mlp.c_proj": "row"}
+
+
+def test_a_schedules_fusion_options_cannot_be_changed_in_place():
+    schedule = load_schedule({"base": "megatron", "fusion_options": {"mlp.c_fc": {"disable_options": ["a"]}}})
+    with pytest.raises(TypeError, match=r"^schedule 'megatron\+custom': its fusion_options cannot be changed"):
+        schedule.fusion_options["attn.c_proj.out"] = {"disable_options": ["b"]}
+    with pytest.raises(TypeError):
+        schedule.fusion_options["mlp.c_fc"]["enable_options"] = ["c"]
+    with pytest.raises(AttributeError):
+        schedule.fusion_options["mlp.c_fc"]["disable_options"].append("d")
+    assert schedule.options("mlp.c_fc") == {"_disable_options": ["a"]}
+
+
+def test_the_dicts_a_schedule_is_made_from_stay_the_callers():
+    """Changing them afterwards changes the caller's dicts, not the schedule (it was checked with what it holds)."""
+    linears = dict(SCHEDULES["megatron"].linears)
+    options = {"mlp.c_fc": {"disable_options": ["a"]}}
+    schedule = Schedule("mine", linears, cuts=("mlp.c_fc",), fusion_options=options)
+    linears["mlp.c_proj"] = LinearSchedule("column")
+    options["mlp.c_fc"]["disable_options"].append("b")
+    options["no.such.point"] = {}
+    assert schedule.linears["mlp.c_proj"].style == "row"
+    assert schedule.fusion_options == {"mlp.c_fc": {"disable_options": ("a",)}}
+
+
+def test_a_frozen_schedule_still_copies_compares_and_writes_as_json():
+    import copy
+    import pickle
+    schedule = load_schedule({"base": "megatron-overlap", "fusion_options": {"mlp.c_fc": {"disable_options": ["a"]}}})
+    assert copy.deepcopy(schedule) == schedule == pickle.loads(pickle.dumps(schedule))
+    assert schedule.replace(name="other").linears == schedule.linears
+    data = schedule.as_dict()
+    assert type(data["linears"]) is dict and type(data["fusion_options"]["mlp.c_fc"]) is dict
+    assert data["fusion_options"] == {"mlp.c_fc": {"disable_options": ["a"]}} and data["cuts"] == ["mlp.c_fc",
+                                                                                                    "grad:attn.c_proj"]
+    again = {k: v for k, v in json.loads(json.dumps(data)).items() if k != "name"}
+    assert load_schedule({**again, "base": "megatron-overlap", "name": "again"}).replace(name=schedule.name) == schedule
+
+
+def test_a_schedule_changed_behind_its_back_is_checked_again_where_a_block_is_built():
+    from tpfuser.config import preset
+    from tpfuser.runtime.block import ShardedBlock
+    schedule = SCHEDULES["megatron"].replace(name="mine")
+    object.__setattr__(schedule, "linears", {**schedule.linears, "mlp.c_proj": LinearSchedule("column")})
+    words = "schedule field 'linears.mlp.c_proj.style': expected 'row' or 'row-sp'"
+    with pytest.raises(ValueError, match=words):
+        load_schedule(schedule)
+    with pytest.raises(ValueError, match=words):
+        ShardedBlock(preset("tiny"), schedule=schedule)
+
+
+OPTIONS = {"disable_options": ["infer_contiguity"]}
+EXECUTOR_CASES = [   # (base, the point given options, refused)
+    ("megatron-overlap-streams", "mlp.c_proj", True),          # its all-reduce chunked on the stream axis
+    ("megatron-overlap-streams", "attn.c_proj", True),
+    ("megatron-overlap-streams", "mlp.c_proj.out", False),     # the fusion after it: fd.execute, with options
+    ("megatron-sp-overlap-streams", "mlp.c_fc", True),         # its all-gather chunked on the stream axis
+    ("megatron-sp-overlap-streams", "mlp.c_proj", False),      # its reduce-scatter runs whole: fd.execute
+    ("megatron-sp-overlap-streams", "grad:mlp.c_fc.in", False),   # the backward runs whole
+    ("megatron-overlap", "mlp.c_proj", False),                 # overlap "fusions": each chunk a fusion with options
+]
+
+
+@pytest.mark.parametrize("base,point,refused", EXECUTOR_CASES, ids=[f"{b}-{p}" for b, p, _ in EXECUTOR_CASES])
+def test_fusion_options_for_a_linear_run_by_nvfusers_executor_are_refused(base, point, refused):
+    spec = {"base": base, "fusion_options": {point: OPTIONS}}
+    if not refused:
+        assert load_schedule(spec).options(point)["_disable_options"] == ["infer_contiguity"]
+        return
+    with pytest.raises(ValueError, match=rf"^schedule field 'fusion_options.{point}': expected a point a fusion of "
+                                         rf"this schedule begins at and takes options at \({point}, overlap 'streams', "
+                                         rf"runs in nvFuser's MultiDeviceExecutor with options of its own\): one of "):
+        load_schedule(spec)
+
+
+def test_fusion_options_for_a_streams_linear_refused_at_the_command_line(tmp_path, capsys):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"base": "megatron-overlap-streams", "fusion_options": {"mlp.c_proj": OPTIONS}}))
+    assert main(["plan", "--tp", "2", "--schedule-file", str(path)]) == 2
+    assert "fusion_options.mlp.c_proj': expected a point a fusion of this schedule begins at and takes options at" \
+        in refusal(capsys)
+
+
+def test_the_points_refused_options_are_those_the_block_runs_through_the_executor():
+    """Schedule.executor_points against runtime/chunked.chunked_piece, which picks the runner
+    of every piece: the points it gives an executor's overlap form, in either pass."""
+    from tpfuser.parallel.schedules import EXECUTOR_OVERLAPS
+    from tpfuser.runtime.chunked import chunked_piece
+    every = {f"all-{overlap}{sp}": load_schedule({"base": f"megatron{sp}", "name": f"all-{overlap}{sp}", "linears": {
+        linear: {"chunks": 4, "overlap": overlap} for linear in LINEARS}}) for overlap in ("fusions", "streams")
+        for sp in ("", "-sp")}
+    for name, schedule in {**SCHEDULES, **every}.items():
+        run_apart = {point for kind in ("forward", "backward") for point in schedule.fusion_points()
+                     if (found := chunked_piece(schedule, kind, point, schedule.sequence_parallel))
+                     and found[4] in EXECUTOR_OVERLAPS}
+        assert schedule.executor_points() == run_apart, name
+    assert every["all-streams"].executor_points() == {"attn.c_proj", "mlp.c_proj"}
