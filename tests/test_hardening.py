@@ -225,3 +225,37 @@ def test_the_points_refused_options_are_those_the_block_runs_through_the_executo
                      and found[4] in EXECUTOR_OVERLAPS}
         assert schedule.executor_points() == run_apart, name
     assert every["all-streams"].executor_points() == {"attn.c_proj", "mlp.c_proj"}
+
+
+# -- Outputs: the format follows the name, or the name is refused before any work ---------------------------------
+
+PREDICT = ["plan", "--preset", "gpt3", "--tp", "8", "--predict"]
+MAGIC = {"png": b"\x89PNG\r\n\x1a\n", "svg": b"<?xml", "pdf": b"%PDF-"}
+
+
+@pytest.mark.parametrize("suffix", sorted(MAGIC))
+def test_the_timeline_is_written_in_the_format_its_name_asks_for(tmp_path, suffix):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / f"timeline.{suffix}"
+    assert main([*PREDICT, "--png", str(path)]) == 0
+    assert path.read_bytes().startswith(MAGIC[suffix])
+    assert os.listdir(tmp_path) == [path.name]
+
+
+NAMES = [   # (argv, the output's name, words): refused before any work, nothing written
+    (PREDICT + ["--png"], "timeline.txt", "--png='{path}': matplotlib writes no 'txt' figure; expected a name ending in"),
+    (["plan", "--json"], "plan.png", "--json='{path}': its name asks for a 'png' file, and this writes JSON"),
+    (["plan", "--json"], "plan.csv", "--json='{path}': its name asks for a 'csv' file, and this writes JSON"),
+    (["check", "--json"], "check.svg", "--json='{path}': its name asks for a 'svg' file"),
+    (["bench", "--json"], "bench.pdf", "--json='{path}': its name asks for a 'pdf' file"),
+    (["bench", "--png"], "bench.txt", "--png='{path}': matplotlib writes no 'txt' figure"),
+]
+
+
+@pytest.mark.parametrize("argv,name,words", NAMES, ids=[f"{a[0]}-{n}" for a, n, _ in NAMES])
+def test_an_output_named_for_another_format_is_refused_before_any_work(tmp_path, capsys, argv, name, words):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / name
+    assert main([*argv, str(path)]) == 2
+    assert words.format(path=path) in refusal(capsys)
+    assert os.listdir(tmp_path) == []

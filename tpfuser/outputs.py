@@ -7,7 +7,11 @@ touch what is there) and written whole or not at all (write_output: a
 temporary file in the same folder, then renamed over the path, with the
 mode the file had; through a symbolic link, the file it names). "-" is
 standard output, where it makes sense: not for an image (check_writable's
-stdout).
+stdout). An output's format follows its name: a figure is written in the
+format its suffix names (figure_format), and a name whose suffix asks for
+another format than the option writes is refused (check_writable's kind).
+
+Deferred: matplotlib (optional: only a figure needs it), imported where a figure's format is checked or saved.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ class ArgParser(argparse.ArgumentParser):
 
 
 _PATHS_CHECKED = {"json", "png", "out"}   # output paths: check_writable says what is wrong with them
+# Suffixes that ask for a format other than JSON: an image's (matplotlib's formats) or another text format's.
+NOT_JSON = ("avif", "eps", "gif", "jpeg", "jpg", "pdf", "pgf", "png", "ps", "raw", "rgba", "svg", "svgz", "tif", "tiff",
+            "webp", "csv", "tsv", "html", "xml", "yaml", "yml", "toml")
 
 
 def _target(path: str) -> str:
@@ -59,7 +66,38 @@ def _name_max(folder: str) -> int:
         return 255
 
 
-def check_writable(path, option: str, stdout: bool | None = None) -> None:
+def _suffix(path) -> str:
+    return os.path.splitext(os.fspath(path))[1].lower().lstrip(".")
+
+
+def figure_format(path, option: str = "--png") -> str:
+    """The format a figure at `path` is written in: its suffix's (none: png),
+    refused in one line where matplotlib writes no such format or is not installed."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise ValueError(f"{option}={path!r}: a figure needs matplotlib, which is not installed here "
+                         f"(pip install matplotlib)") from None
+    known = FigureCanvasBase.get_supported_filetypes()
+    if _suffix(path) and _suffix(path) not in known:
+        raise ValueError(f"{option}={path!r}: matplotlib writes no {_suffix(path)!r} figure; expected a name ending in "
+                         f"{', '.join('.' + k for k in sorted(known))}")
+    return _suffix(path) or "png"
+
+
+def save_figure(fig, path, option: str = "--png", dpi: int = 110) -> None:
+    """Write a matplotlib figure in the format its name asks for (figure_format),
+    whole or not at all (replacing, with the same suffix), then close it."""
+    import matplotlib.pyplot as plt
+    try:
+        fmt = figure_format(path, option)
+        with replacing(path, option, suffix="." + fmt) as tmp:
+            fig.savefig(tmp, dpi=dpi, format=fmt)
+    finally:
+        plt.close(fig)
+
+
+def check_writable(path, option: str, stdout: bool | None = None, kind: str | None = None) -> None:
     """Refuse now, not after the work, an output path that cannot take a file:
     empty, a directory (or a name ending in /), a dangling link, something
     other than a regular file (a named pipe, a device), a name too long, or in
@@ -67,7 +105,10 @@ def check_writable(path, option: str, stdout: bool | None = None) -> None:
     the path (a named pipe would block) and changes nothing there: only the
     folder is written to (a temporary file, removed at once). stdout: whether
     "-" (standard output) is taken; by default it is, except for an option
-    writing an image (--png: bytes for a terminal or beside the command's text)."""
+    writing an image (--png: bytes for a terminal or beside the command's text).
+    kind: what is written, "figure" (its name's suffix a format matplotlib
+    writes) or "json" (not a suffix of NOT_JSON); by default the option's
+    (--png a figure, --json JSON)."""
     if path is None:
         return
     if not isinstance(path, (str, os.PathLike)):
@@ -75,6 +116,7 @@ def check_writable(path, option: str, stdout: bool | None = None) -> None:
     path = os.fspath(path)
     if stdout is None:
         stdout = not option.endswith("png")
+    kind = kind or ("figure" if option.endswith("png") else "json" if option.endswith("json") else None)
     if path == "-":
         if not stdout:
             raise ValueError(f"{option}='-': an image is not written to standard output; give a file name")
@@ -116,6 +158,11 @@ def check_writable(path, option: str, stdout: bool | None = None) -> None:
         raise ValueError(f"{option}={path!r}: no file can be written in {folder!r} ({e.strerror})") from None
     if os.path.exists(target) and not os.access(target, os.W_OK):
         raise ValueError(f"{option}={path!r}: exists and is not writable")
+    if kind == "figure":
+        figure_format(path, option)
+    elif kind == "json" and _suffix(path) in NOT_JSON:
+        raise ValueError(f"{option}={path!r}: its name asks for a {_suffix(path)!r} file, and this writes JSON; "
+                         f"give a name ending in .json")
 
 
 def check_distinct(outputs: dict, inputs: dict) -> None:

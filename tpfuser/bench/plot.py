@@ -22,7 +22,7 @@ import signal
 import stat
 import sys
 
-from tpfuser.outputs import ArgParser, check_writable, replacing
+from tpfuser.outputs import ArgParser, check_writable, save_figure
 from tpfuser.strict_json import MAX_BYTES, Refused, strict_loads
 
 MESH = re.compile(r"^[1-9][0-9]*x[1-9][0-9]*$")
@@ -83,30 +83,6 @@ def plot_scaling(reports: list[dict], path: str, option: str = "--png") -> None:
     fig.suptitle(f"{reports[0].get('gpu', '')}: time against tp", fontsize=9)
     fig.tight_layout()
     save_figure(fig, path, option)
-
-
-def figure_format(path: str, option: str = "--png") -> str:
-    """The format matplotlib writes `path` in: its suffix's (no suffix: png),
-    refused in one line where matplotlib has none for it."""
-    from matplotlib.backend_bases import FigureCanvasBase
-    suffix = os.path.splitext(path)[1].lower().lstrip(".")
-    known = FigureCanvasBase.get_supported_filetypes()
-    if suffix and suffix not in known:
-        raise ValueError(f"{option}={path!r}: matplotlib writes no {suffix!r} figure; expected a name ending in "
-                         f"{', '.join('.' + k for k in sorted(known))}")
-    return suffix or "png"
-
-
-def save_figure(fig, path: str, option: str = "--png") -> None:
-    """Write the figure whole or not at all (a temporary file with the same
-    suffix beside it, renamed over it), then close it."""
-    import matplotlib.pyplot as plt
-    try:
-        fmt = figure_format(path, option)
-        with replacing(path, option, suffix="." + fmt) as tmp:
-            fig.savefig(tmp, dpi=110, format=fmt)
-    finally:
-        plt.close(fig)
 
 
 def _cut_short(text: str) -> str | None:
@@ -220,8 +196,7 @@ def main(argv=None) -> int:
     try:
         if args.reports.count("-") > 1:
             raise ValueError("REPORT='-': standard input given more than once; it holds one report")
-        check_writable(args.out, "OUT", stdout=False)   # before anything is read: the path is the user's first mistake
-        figure_format(args.out, "OUT")
+        check_writable(args.out, "OUT", stdout=False, kind="figure")   # before anything is read: the user's first mistake
         reports = [read_report(p) for p in args.reports]
         several_meshes = len({r["mesh"] for r in reports}) > 1
         (plot_scaling if several_meshes else plot_reports)(reports, args.out, "OUT")
