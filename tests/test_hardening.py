@@ -259,3 +259,142 @@ def test_an_output_named_for_another_format_is_refused_before_any_work(tmp_path,
     assert main([*argv, str(path)]) == 2
     assert words.format(path=path) in refusal(capsys)
     assert os.listdir(tmp_path) == []
+
+
+# -- Signals during a write: nothing left beside the output ------------------------------------------------------
+
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Writes OUT through outputs.replacing (mode "write") or has check_writable make its probe file beside it
+# (mode "probe"), touching READY once the temporary file is there and waiting for a signal; a signal's
+# handling as the command line's.
+WRITER = r"""
+import os, signal, sys, tempfile, time
+from tpfuser import outputs
+mode, out, ready = sys.argv[1:]
+
+def wait():   # for the signal: delivered now, or (held) pending until the hold ends
+    open(ready, "w").close()
+    deadline = time.monotonic() + 60
+    while not signal.sigpending() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+try:
+    if mode == "write":
+        with outputs.replacing(out, "--png", suffix=".png") as tmp:
+            open(tmp, "w").write("half")
+            wait()
+    else:
+        real = tempfile.NamedTemporaryFile
+        def probe(*args, **kwargs):
+            made = real(*args, **kwargs)
+            wait()
+            return made
+        tempfile.NamedTemporaryFile = probe
+        outputs.check_writable(out, "--json")
+except outputs.Signalled as e:
+    print(e.line, file=sys.stderr)
+    sys.exit(128 + e.signum)
+except KeyboardInterrupt:
+    print("interrupted (SIGINT): nothing was written", file=sys.stderr)
+    sys.exit(130)
+"""
+
+
+def _signalled(tmp_path, argv: list[str], sig) -> subprocess.CompletedProcess:
+    """Run argv (READY its last argument) until it touches READY, then send it `sig`."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    ready = argv[-1]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(ready):
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, "the writer never reached its write"
+        time.sleep(0.02)
+    os.remove(ready)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(argv, proc.returncode, "", err)
+
+
+SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=lambda s: s.name)
+@pytest.mark.parametrize("mode", ["write", "probe"])
+def test_a_signal_during_a_write_leaves_the_output_as_it_was_and_nothing_beside_it(tmp_path, mode, sig):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / "figure.png").write_text("the old figure")
+    (tmp_path / "writer.py").write_text(WRITER)
+    done = _signalled(tmp_path, [sys.executable, str(tmp_path / "writer.py"), mode, str(folder / "figure.png"),
+                                 str(tmp_path / "ready")], sig)
+    assert done.returncode == 128 + sig, done.stderr
+    assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert os.listdir(folder) == ["figure.png"] and (folder / "figure.png").read_text() == "the old figure"
+
+
+# The command itself: plan --predict --png, its figure's bytes in the temporary file when the signal comes.
+PLAN = r"""
+import sys, time
+import matplotlib.figure
+from tpfuser.cli import main
+real = matplotlib.figure.Figure.savefig
+
+def slow(self, *args, **kwargs):
+    real(self, *args, **kwargs)
+    open(sys.argv[2], "w").close()
+    time.sleep(60)
+
+matplotlib.figure.Figure.savefig = slow
+sys.exit(main(["plan", "--preset", "gpt3", "--tp", "8", "--predict", "--png", sys.argv[1]]))
+"""
+
+
+def test_sigterm_while_plan_writes_its_timeline_leaves_nothing(tmp_path):
+    pytest.importorskip("matplotlib")
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (tmp_path / "plan.py").write_text(PLAN)
+    done = _signalled(tmp_path, [sys.executable, str(tmp_path / "plan.py"), str(folder / "timeline.svg"),
+                                 str(tmp_path / "ready")], signal.SIGTERM)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert done.stderr.strip() == "ended by SIGTERM: no output was left half-written"
+    assert os.listdir(folder) == []
+
+
+# Files the package writes other than through outputs (replacing, write_output, save_figure), each in a
+# temporary folder of its own that nobody reads as an output: by file, how many and why.
+OWN_FOLDERS = {
+    "tpfuser/verify/dtypes.py": (3, "the schedule file and logs of check's processes, in a TemporaryDirectory"),
+    "tpfuser/verify/oracle.py": (1, "each rank's reference slices, in a mkdtemp folder removed after"),
+}
+
+
+def _writes(path) -> int:
+    """Calls in a file that write a file: open() with a mode that writes, json.dump, savefig,
+    write_text, write_bytes, torch.save."""
+    import ast
+    found = 0
+    for node in ast.walk(ast.parse(open(path).read())):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        mode = node.args[1] if name == "open" and len(node.args) > 1 else next(
+            (k.value for k in node.keywords if k.arg == "mode"), None)
+        writes_mode = isinstance(mode, ast.Constant) and isinstance(mode.value, str) and set(mode.value) & set("wax+")
+        found += bool(name == "open" and writes_mode or name in ("dump", "savefig", "write_text", "write_bytes")
+                      or (name == "save" and ast.unparse(node.func) == "torch.save"))
+    return found
+
+
+def test_every_output_is_written_through_outputs():
+    """So that every output is written whole or not at all, and a signal during it leaves nothing."""
+    import pathlib
+    written = {str(p.relative_to(ROOT)): n for p in sorted(pathlib.Path(ROOT, "tpfuser").rglob("*.py"))
+               if str(p.relative_to(ROOT)) != "tpfuser/outputs.py" and (n := _writes(p))}
+    assert written == {path: n for path, (n, _) in OWN_FOLDERS.items()}

@@ -22,9 +22,9 @@ import torch
 
 from tpfuser.bench.cli import add_bench_arguments, bench_main
 from tpfuser.config import PRESETS, preset
-from tpfuser.dist.launch import Ended, arm_stack_dumps, check_shared_gpu_fits, relaunch
+from tpfuser.dist.launch import arm_stack_dumps, check_shared_gpu_fits, relaunch
 from tpfuser.dist.world import check_launch, in_launcher
-from tpfuser.outputs import ArgParser, check_distinct, check_writable, write_json
+from tpfuser.outputs import ArgParser, Signalled, check_distinct, check_writable, write_json
 from tpfuser.parallel.overlap_model import (BUSBW_GBPS, TFLOPS, check_chunks, check_rates, format_overlap,
                                             overlap_model)
 from tpfuser.parallel.report import format_plan, plan_report
@@ -247,7 +247,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted (SIGINT): every rank started was ended", file=sys.stderr)
         return 128 + signal.SIGINT
-    except Ended as e:
+    except Signalled as e:   # (launch.Ended too: ranks ended with this process)
         print(e.line, file=sys.stderr)
         return 128 + e.signum
     except BrokenPipeError:   # `tpfuser plan | head`: the reader left; no traceback at exit either

@@ -5,7 +5,8 @@ Every refusal is one line naming the thing, what was expected and what came
 work (check_writable: never opens it, so it cannot block on a named pipe or
 touch what is there) and written whole or not at all (write_output: a
 temporary file in the same folder, then renamed over the path, with the
-mode the file had; through a symbolic link, the file it names). "-" is
+mode the file had; through a symbolic link, the file it names; SIGINT,
+SIGTERM or SIGHUP during the write leave nothing beside it). "-" is
 standard output, where it makes sense: not for an image (check_writable's
 stdout). An output's format follows its name: a figure is written in the
 format its suffix names (figure_format), and a name whose suffix asks for
@@ -21,9 +22,11 @@ import contextlib
 import json
 import os
 import re
+import signal
 import stat
 import sys
 import tempfile
+import threading
 
 from tpfuser.strict_json import read_json  # noqa: F401 (re-exported: the readers of schedule files, calibrations)
 
@@ -152,8 +155,9 @@ def check_writable(path, option: str, stdout: bool | None = None, kind: str | No
     except OSError as e:   # a folder on the way that cannot be searched, say
         raise ValueError(f"{option}={path!r}: cannot be looked at ({e.strerror or e})") from None
     try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".tpfuser-check-"):
-            pass
+        with signals_raise(), held():   # (ended while the probe is there, it would stay)
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".tpfuser-check-"):
+                pass
     except OSError as e:
         raise ValueError(f"{option}={path!r}: no file can be written in {folder!r} ({e.strerror})") from None
     if os.path.exists(target) and not os.access(target, os.W_OK):
@@ -183,6 +187,55 @@ def check_distinct(outputs: dict, inputs: dict) -> None:
                 raise ValueError(f"{option}={path!r}: the same file as {other}={given!r}; give another file name")
 
 
+class Signalled(BaseException):
+    """SIGTERM or SIGHUP came while an output was being written (signals_raise):
+    raised there, as KeyboardInterrupt is for SIGINT, so that what the write
+    made beside the output is removed before the process ends."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def line(self) -> str:
+        return f"ended by {signal.Signals(self.signum).name}: no output was left half-written"
+
+
+def _raise_signalled(signum, frame):
+    raise Signalled(signum)
+
+
+ENDING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def signals_raise():
+    """SIGTERM and SIGHUP raise Signalled while the body runs, where they would
+    end the process at once (their default disposition: no finally clause runs);
+    a handler of the program's own, or an ignored signal, is left as it is."""
+    if threading.current_thread() is not threading.main_thread():   # (handlers are the main thread's)
+        yield
+        return
+    previous = {sig: signal.signal(sig, _raise_signalled) for sig in ENDING[1:]
+                if signal.getsignal(sig) == signal.SIG_DFL}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def held():
+    """The ending signals held while the body runs (delivered at its end): for
+    the steps between making a file and knowing to remove it."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, ENDING)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 def _umask() -> int:
     try:
         with open("/proc/self/status") as f:
@@ -210,26 +263,30 @@ def replacing(path, option: str = "output", suffix: str = ".tmp"):
     # the temporary file's name: the target's, cut to fit the folder's limit with the random part and suffix
     stem = os.fsencode("." + os.path.basename(target) + ".")[: max(1, _name_max(folder) - 16 - len(os.fsencode(suffix)))]
     tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.fsdecode(stem), suffix=suffix)
+    with signals_raise():
         try:
-            mode = stat.S_IMODE(os.stat(target).st_mode) if os.path.exists(target) else 0o666 & ~_umask()
-            os.fchmod(fd, mode)
+            with held():   # (a signal here would come between making the file and knowing its name)
+                fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.fsdecode(stem), suffix=suffix)
+                try:
+                    mode = stat.S_IMODE(os.stat(target).st_mode) if os.path.exists(target) else 0o666 & ~_umask()
+                    os.fchmod(fd, mode)
+                finally:
+                    os.close(fd)
+            yield tmp
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, target)
+            tmp = None
+        except OSError as e:
+            raise ValueError(f"{option}={path!r}: could not be written ({e.strerror or e}); nothing was written") \
+                from None
         finally:
-            os.close(fd)
-        yield tmp
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, target)
-        tmp = None
-    except OSError as e:
-        raise ValueError(f"{option}={path!r}: could not be written ({e.strerror or e}); nothing was written") from None
-    finally:
-        if tmp is not None and os.path.lexists(tmp):
-            os.remove(tmp)
+            with held():
+                if tmp is not None and os.path.lexists(tmp):
+                    os.remove(tmp)
 
 
 def write_output(path, text: str, option: str = "output") -> None:

@@ -22,7 +22,7 @@ import signal
 import stat
 import sys
 
-from tpfuser.outputs import ArgParser, check_writable, save_figure
+from tpfuser.outputs import ArgParser, Signalled, check_writable, save_figure
 from tpfuser.strict_json import MAX_BYTES, Refused, strict_loads
 
 MESH = re.compile(r"^[1-9][0-9]*x[1-9][0-9]*$")
@@ -206,6 +206,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted (SIGINT): nothing was written", file=sys.stderr)
         return 128 + signal.SIGINT
+    except Signalled as e:
+        print(e.line, file=sys.stderr)
+        return 128 + e.signum
     return 0
 
 

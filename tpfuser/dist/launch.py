@@ -23,6 +23,7 @@ from tpfuser.config import Layout
 from tpfuser.dist import procs
 from tpfuser.dist.sharegpu import SHARED_GPU_MARK, SHIM_VARIABLE, build_default_stream_shim
 from tpfuser.dist.world import SINGLE_PROCESS_MARK, free_port
+from tpfuser.outputs import Signalled
 from tpfuser.parallel.placements import PARAM_PLACEMENTS, local_shape, saved_bytes_per_rank
 
 # Deferred: tpfuser.runtime.chunked (relaunch, for a chunked schedule's CONNECTIONS_VAR), a layer above
@@ -187,12 +188,8 @@ def _end_all(started: list[subprocess.Popen], grace_s: float) -> None:
             signal.signal(sig, handler)
 
 
-class Ended(BaseException):
+class Ended(Signalled):
     """This process was told to end (SIGTERM, SIGHUP) while its ranks ran: they are ended too."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
 
     @property
     def line(self) -> str:
