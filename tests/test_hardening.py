@@ -398,3 +398,18 @@ def test_every_output_is_written_through_outputs():
     written = {str(p.relative_to(ROOT)): n for p in sorted(pathlib.Path(ROOT, "tpfuser").rglob("*.py"))
                if str(p.relative_to(ROOT)) != "tpfuser/outputs.py" and (n := _writes(p))}
     assert written == {path: n for path, (n, _) in OWN_FOLDERS.items()}
+
+
+# -- --comm-table: the kind named against the tool the file names ------------------------------------------------
+
+def test_a_comm_table_named_for_another_collective_than_its_tools_is_refused(tmp_path, capsys):
+    from tests.test_predict import NCCL_TESTS
+    from tpfuser.predict.comm import read_comm_table
+    path = tmp_path / "ar.txt"
+    path.write_text(NCCL_TESTS.replace("all_gather_perf", "all_reduce_perf"))
+    assert list(read_comm_table(f"allreduce={path}")) == ["allreduce"]   # the kind it names
+    with pytest.raises(ValueError, match=rf"^nccl-tests output {path}: all_reduce_perf's output, given as "
+                                         rf"allgather's: name it allreduce=FILE, or give all_gather_perf's output$"):
+        read_comm_table(f"allgather={path}")
+    assert main([*PREDICT, "--comm-table", f"allgather={path}"]) == 2
+    assert "all_reduce_perf's output, given as allgather's" in refusal(capsys)

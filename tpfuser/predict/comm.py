@@ -181,14 +181,18 @@ _TOOLS = {"all_reduce_perf": "allreduce", "all_gather_perf": "allgather", "reduc
 def parse_nccl_tests(text: str, kind: str | None = None, source: str = "nccl-tests output") -> BusTable:
     """A BusTable from nccl-tests' text output: the out-of-place busbw column of
     each data row, by the header line's columns; the kind from `kind` or the
-    tool's name in the text (all_reduce_perf, ...); the ranks from its
-    '#  Rank N ...' lines."""
+    tool's name in the text (all_reduce_perf, ...), which a kind given must
+    agree with where the text names one; the ranks from its '#  Rank N ...' lines."""
     names = {_TOOLS[t] for t in _TOOLS if t in text}
     if kind is None:
         if len(names) != 1:
             seen = f"several: {', '.join(sorted(names))}" if names else "no tool name such as all_reduce_perf in it"
             raise ValueError(f"{source}: cannot tell the collective ({seen}): name it, e.g. --comm-table allreduce=FILE")
         kind = names.pop()
+    elif names and kind not in names:   # a kind named for output the file says is of another collective
+        tools = " and ".join(sorted(t for t, k in _TOOLS.items() if k in names))
+        raise ValueError(f"{source}: {tools}'s output, given as {kind}'s: name it {'='.join(sorted(names))}=FILE, "
+                         f"or give {next(t for t, k in _TOOLS.items() if k == kind)}'s output")
     header = None
     rows = []
     for line in text.splitlines():
