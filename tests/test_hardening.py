@@ -413,3 +413,29 @@ def test_a_comm_table_named_for_another_collective_than_its_tools_is_refused(tmp
         read_comm_table(f"allgather={path}")
     assert main([*PREDICT, "--comm-table", f"allgather={path}"]) == 2
     assert "all_reduce_perf's output, given as allgather's" in refusal(capsys)
+
+
+# -- The bench plot: what it draws is positive ------------------------------------------------------------------
+
+NEGATIVE = [   # (the change to a report validate_report takes, the field named)
+    ("median", lambda r: r["results"]["nvfuser"].update(min_ms=-1.2, median_ms=-1.0, max_ms=-0.8),
+     "report.results['nvfuser'].min_ms: expected a positive time in ms, got -1.2"),
+    ("zero", lambda r: r["results"]["eager"].update(min_ms=0.0, median_ms=0.0, max_ms=0.0),
+     "report.results['eager'].min_ms: expected a positive time in ms, got 0.0"),
+    ("floor", lambda r: r.update(compute_floor_ms=-0.5), "report.compute_floor_ms: expected a positive time in ms"),
+    ("ratio", lambda r: r["results"]["gemms"].update(ratio_to_eager=-0.35),
+     "report.results['gemms'].ratio_to_eager: expected a positive ratio, got -0.35"),
+]
+
+
+@pytest.mark.parametrize("change,words", [c[1:] for c in NEGATIVE], ids=[c[0] for c in NEGATIVE])
+def test_the_bench_plot_refuses_a_report_with_times_that_are_not_positive(tmp_path, capsys, change, words):
+    pytest.importorskip("matplotlib")
+    from tests.test_plot_cli import report
+    from tpfuser.bench import plot
+    rep = report()
+    change(rep)
+    (tmp_path / "r.json").write_text(json.dumps(rep))
+    assert plot.main([str(tmp_path / "out.png"), str(tmp_path / "r.json")]) == 2
+    assert words in refusal(capsys)
+    assert os.listdir(tmp_path) == ["r.json"]

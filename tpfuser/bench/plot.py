@@ -170,10 +170,16 @@ def read_report(path: str) -> dict:
         validate_report(rep)
         if not MESH.match(rep["mesh"]):
             raise ValueError(f"report.mesh: expected DPxTP (e.g. '1x8'), got {rep['mesh']!r}")
+        if not rep["compute_floor_ms"] > 0:   # (what is drawn: a time, a ratio of times, is positive)
+            raise ValueError(f"report.compute_floor_ms: expected a positive time in ms, got {rep['compute_floor_ms']!r}")
         for name, row in rep["results"].items():
             ratio = row.get("ratio_to_eager")
             if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))):
                 raise ValueError(f"report.results[{name!r}].ratio_to_eager: expected float, got {type(ratio).__name__}")
+            for key in ("min_ms", "median_ms", "max_ms", "ratio_to_eager"):
+                if row.get(key) is not None and not row[key] > 0:
+                    raise ValueError(f"report.results[{name!r}].{key}: expected a positive "
+                                     f"{'ratio' if key.startswith('ratio') else 'time in ms'}, got {row[key]!r}")
         if "gpu" in rep and not isinstance(rep["gpu"], str):
             raise ValueError(f"report.gpu: expected str, got {type(rep['gpu']).__name__}")
     except (ValueError, TypeError, AttributeError, KeyError) as e:   # (the last: a shape no check foresaw)
