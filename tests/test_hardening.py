@@ -439,3 +439,35 @@ def test_the_bench_plot_refuses_a_report_with_times_that_are_not_positive(tmp_pa
     assert plot.main([str(tmp_path / "out.png"), str(tmp_path / "r.json")]) == 2
     assert words in refusal(capsys)
     assert os.listdir(tmp_path) == ["r.json"]
+
+
+# -- The launcher's variables: a time faulthandler cannot wait for is refused in one line ------------------------
+
+@pytest.mark.parametrize("value", ["inf", "1e300", "nan", "abc", "-inf"])
+def test_a_stacks_time_that_is_no_time_is_refused_in_one_line(monkeypatch, capsys, value):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TPFUSER_STACKS_AT", value)
+    assert main(["plan"]) == 2
+    assert f"TPFUSER_STACKS_AT={value!r}: expected the time (seconds since the epoch, within 604800 s)" \
+        in refusal(capsys)
+
+
+def test_a_stacks_time_ahead_or_past_is_taken(monkeypatch):
+    from tpfuser.dist import launch
+    monkeypatch.setenv("TPFUSER_STACKS_AT", f"{time.time() + 30:.1f}")
+    assert 25 < launch.stacks_due_in_s() <= 30.1
+    monkeypatch.setenv("TPFUSER_STACKS_AT", f"{time.time() - 5:.1f}")
+    assert launch.stacks_due_in_s() == 1.0
+
+
+@pytest.mark.parametrize("value", ["1e300", "604801", "1e400"])
+def test_a_run_bound_past_what_the_ranks_can_wait_for_is_refused(monkeypatch, value):
+    """The ranks' stacks are due a little before the bound (launch.stacks_due_s): past a week,
+    faulthandler's watchdog overflows in every rank."""
+    from tpfuser.dist import launch
+    monkeypatch.setenv("TPFUSER_TIMEOUT_S", value)
+    with pytest.raises(ValueError, match=rf"^TPFUSER_TIMEOUT_S={value!r}: must be a positive number of seconds, "
+                                         rf"at most 604800 "):
+        launch.run_timeout_s()
+    monkeypatch.setenv("TPFUSER_TIMEOUT_S", "604800")
+    assert launch.run_timeout_s() == 604800

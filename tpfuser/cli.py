@@ -231,12 +231,12 @@ def _parser(argv) -> ArgParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    arm_stack_dumps()   # where this process (a rank) is: kill -USR1, or before its run's bound
     parser = _parser(argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown:   # named by the command they were given to
         parser._subparsers._group_actions[0].choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
+        arm_stack_dumps()   # where this process (a rank) is: kill -USR1, or before its run's bound
         if args.command == "bench":   # its own refusals and exit codes (bench.cli)
             return args.fn(args)
         preflight(args)
