@@ -471,3 +471,73 @@ def test_a_run_bound_past_what_the_ranks_can_wait_for_is_refused(monkeypatch, va
         launch.run_timeout_s()
     monkeypatch.setenv("TPFUSER_TIMEOUT_S", "604800")
     assert launch.run_timeout_s() == 604800
+
+
+# -- Public constructors: a device as PyTorch takes one, the rest refused in one line at construction ------------
+
+import torch  # noqa: E402
+
+from tpfuser.config import Layout, preset  # noqa: E402
+
+TINY = preset("tiny")
+
+
+@pytest.mark.parametrize("device,made", [("cuda:0", torch.device("cuda", 0)), ("cuda", torch.device("cuda")),
+                                         (1, torch.device("cuda", 1)), ("cpu", torch.device("cpu")),
+                                         (torch.device("cuda", 0), torch.device("cuda", 0))],
+                         ids=["str", "str-no-index", "int", "cpu-str", "torch.device"])
+def test_a_device_is_taken_as_pytorch_takes_it(device, made):
+    from tpfuser.runtime.block import ShardedBlock
+    from tpfuser.runtime.module import TPBlock
+    assert ShardedBlock(TINY, device=device).device == made
+    assert TPBlock(TINY, device=device).runner.device == made
+
+
+def test_a_block_on_a_device_given_as_a_string_loads_or_says_why_not():
+    """The finding: 'cuda:0' was kept as a str, and load() failed on str.type."""
+    from tpfuser.runtime.block import ShardedBlock
+    from tpfuser.verify.reference import make_block
+    block = ShardedBlock(TINY, device="cuda:0")
+    state = make_block(TINY).state_dict()
+    if torch.cuda.is_available():
+        assert block.load(state).params[0].device == torch.device("cuda", 0)
+    else:
+        with pytest.raises(RuntimeError, match=r"^load: the block's device is cuda:0, and torch sees no CUDA GPU"):
+            block.load(state)
+
+
+CONSTRUCTORS = [   # (id, the construction, its one line)
+    ("meta", lambda b, m: b(TINY, device=torch.device("meta")),
+     "device=device(type='meta'): expected a CUDA device ('cuda', 'cuda:N'): the block's fusions run on a GPU"),
+    ("meta_str", lambda b, m: b(TINY, device="meta"), "device='meta': expected a CUDA device"),
+    ("float", lambda b, m: b(TINY, device=0.0),
+     "device=0.0: expected a torch.device, a str such as 'cuda:0' or a CUDA device's index, got a float"),
+    ("bool", lambda b, m: b(TINY, device=True), "device=True: expected a torch.device, a str such as 'cuda:0'"),
+    ("no_such_device", lambda b, m: b(TINY, device="gpu0"),
+     "device='gpu0': not a device PyTorch knows (Invalid device string: 'gpu0')"),
+    ("negative_index", lambda b, m: b(TINY, device=-1), "device=-1: not a device PyTorch knows"),
+    ("module_meta", lambda b, m: m(TINY, device="meta"), "device='meta': expected a CUDA device"),
+    ("dp_group_str", lambda b, m: b(TINY, Layout(2, 1), dp_group="dp"),
+     "dp_group='dp': expected None or a torch.distributed ProcessGroup (world.dp_group(layout, rank)), got str"),
+    ("module_dp_group", lambda b, m: m(TINY, Layout(2, 1), dp_group=3), "dp_group=3: expected None or a torch.distributed"),
+    ("module_seed_str", lambda b, m: m(TINY, rng_seed="0"), "rng_seed='0': must be an int in [0, 2**64)"),
+    ("module_seed_negative", lambda b, m: m(TINY, rng_seed=-1), "rng_seed=-1: must be an int in [0, 2**64)"),
+]
+
+
+@pytest.mark.parametrize("make,words", [c[1:] for c in CONSTRUCTORS], ids=[c[0] for c in CONSTRUCTORS])
+def test_a_constructor_refuses_what_it_cannot_take_at_construction(make, words):
+    from tpfuser.runtime.block import ShardedBlock
+    from tpfuser.runtime.module import TPBlock
+    with pytest.raises(ValueError) as err:
+        make(ShardedBlock, TPBlock)
+    assert str(err.value).startswith(words) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_cuda_index_past_the_machines_gpus_is_refused(monkeypatch):
+    from tpfuser.runtime.weights import block_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert block_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"^device='cuda:7': this machine has 2 CUDA devices \(cuda:0 to cuda:1\)$"):
+        block_device("cuda:7")
