@@ -79,6 +79,19 @@ def test_a_comm_table_json_with_a_kind_twice_or_nan_is_refused(tmp_path):
         read_comm_table(str(nan))
 
 
+def test_a_comm_table_size_past_what_a_message_can_be_is_refused(tmp_path):
+    from tests.test_predict import NCCL_TESTS
+    from tpfuser.predict.comm import read_comm_table
+    path = tmp_path / "huge.json"
+    path.write_text('{"tables": {"allreduce": {"sizes": [1048576, 1.5e300], "busbw_gbps": [40.0, 60.0]}}}')
+    with pytest.raises(ValueError, match=r"table 'allreduce': sizes expected a list of whole numbers of bytes, "
+                                         r"got \[1048576, 1.5e\+300\] \(a size below 2\*\*63 each\)$"):
+        read_comm_table(str(path))
+    text = tmp_path / "huge.txt"
+    text.write_text(NCCL_TESTS.replace("    16777216", "9" * 30))   # its last row's size, 30 digits
+    assert read_comm_table(str(text))["allgather"].sizes == (1 << 20, 4 << 20)
+
+
 def test_a_calibration_with_a_field_twice_is_refused(tmp_path):
     from tpfuser.predict.calibration import CalibrationError, read_calibration
     data = os.path.join(os.path.dirname(__file__), "data", "calibration_standin.json")

@@ -208,9 +208,9 @@ def parse_nccl_tests(text: str, kind: str | None = None, source: str = "nccl-tes
                 continue
     if header is None:
         raise ValueError(f"{source}: no nccl-tests header line ('#  size  count  type ... busbw') found")
-    rows = sorted({s: b for s, b in rows if s > 0 and b > 0}.items())
+    rows = sorted({s: b for s, b in rows if 0 < s < 1 << 63 and b > 0}.items())
     if not rows:
-        raise ValueError(f"{source}: no data rows with a positive size and busbw under the header")
+        raise ValueError(f"{source}: no data rows with a positive size (below 2**63) and busbw under the header")
     ranks = len(set(re.findall(r"^#\s+Rank\s+(\d+)", text, flags=re.M)))
     return BusTable(kind, tuple(s for s, _ in rows), tuple(b for _, b in rows), ranks or 8,
                     f"{source} ({len(rows)} sizes, {ranks or 'unknown, taken as 8'} ranks)")
@@ -257,9 +257,11 @@ def read_comm_table(spec: str) -> dict:
         for k, t in data["tables"].items():
             sizes, bw, ranks = t["sizes"], t["busbw_gbps"], t.get("ranks", 8)
             for name, values, integer in (("sizes", sizes, True), ("busbw_gbps", bw, False)):
-                if not isinstance(values, list) or not all(_finite(v) and (not integer or v == int(v)) for v in values):
+                if not isinstance(values, list) or not all(_finite(v) and (not integer or v == int(v) and v < 1 << 63)
+                                                           for v in values):
                     unit = "whole numbers of bytes" if integer else "GB/s"
-                    raise _BadTable(f"table {k!r}: {name} expected a list of {unit}, got {values!r}")
+                    raise _BadTable(f"table {k!r}: {name} expected a list of {unit}, got {values!r}"
+                                    + (" (a size below 2**63 each)" if integer else ""))
             if not (_finite(ranks) and ranks == int(ranks) and ranks >= 2):
                 raise _BadTable(f"table {k!r}: ranks expected a whole number >= 2 (the ranks it was measured on), "
                                  f"got {ranks!r}")
