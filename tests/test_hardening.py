@@ -554,3 +554,21 @@ def test_a_cuda_index_past_the_machines_gpus_is_refused(monkeypatch):
     assert block_device("cuda:1") == torch.device("cuda", 1)
     with pytest.raises(ValueError, match=r"^device='cuda:7': this machine has 2 CUDA devices \(cuda:0 to cuda:1\)$"):
         block_device("cuda:7")
+
+
+REFERENCE = [   # the oracle's public constructors (tpfuser.Block, tpfuser.make_block)
+    ("block_a_name", lambda: __import__("tpfuser").Block("tiny"),
+     "cfg='tiny': expected a BlockConfig (tpfuser.preset(name) or BlockConfig(...)), got str"),
+    ("make_block_a_name", lambda: __import__("tpfuser").make_block("tiny"), "cfg='tiny': expected a BlockConfig"),
+    ("make_block_dtype_a_name", lambda: __import__("tpfuser").make_block(TINY, dtype="fp32"),
+     "dtype='fp32': expected a torch.dtype (torch.float32, torch.bfloat16), got str"),
+    ("make_block_seed_a_str", lambda: __import__("tpfuser").make_block(TINY, seed="1"),
+     "seed='1': expected an int, got str"),
+]
+
+
+@pytest.mark.parametrize("make,words", [c[1:] for c in REFERENCE], ids=[c[0] for c in REFERENCE])
+def test_the_reference_refuses_what_it_cannot_take_in_one_line(make, words):
+    with pytest.raises(ValueError) as err:
+        make()
+    assert str(err.value) == words or str(err.value).startswith(words), str(err.value)
