@@ -5,10 +5,18 @@ for another format, a signal during a write, a constructor's arguments. All
 in-process (CPU) but the signals, which need a process to end."""
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
+import torch
 
+from tpfuser.block.form import LINEARS
 from tpfuser.cli import main
+from tpfuser.config import Layout, preset
+from tpfuser.parallel.schedules import SCHEDULES, LinearSchedule, Schedule, load_schedule
 
 ONE_SCHEDULE = {"base": "megatron", "linears": {"mlp.c_proj": {"chunks": 2, "overlap": "fusions"}}}
 
@@ -121,8 +129,6 @@ def test_a_bench_report_with_a_key_twice_or_past_its_bound_is_refused(tmp_path, 
 
 # -- Schedules: named ones cannot change; checked again where a block is built; options never applied -------------
 
-from tpfuser.block.form import LINEARS  # noqa: E402
-from tpfuser.parallel.schedules import SCHEDULES, LinearSchedule, Schedule, load_schedule  # noqa: E402
 
 MUTATIONS = [
     ("set", lambda d: d.__setitem__("mlp.c_proj", LinearSchedule("column"))),
@@ -276,10 +282,6 @@ def test_an_output_named_for_another_format_is_refused_before_any_work(tmp_path,
 
 # -- Signals during a write: nothing left beside the output ------------------------------------------------------
 
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Writes OUT through outputs.replacing (mode "write") or has check_writable make its probe file beside it
@@ -488,9 +490,6 @@ def test_a_run_bound_past_what_the_ranks_can_wait_for_is_refused(monkeypatch, va
 
 # -- Public constructors: a device as PyTorch takes one, the rest refused in one line at construction ------------
 
-import torch  # noqa: E402
-
-from tpfuser.config import Layout, preset  # noqa: E402
 
 TINY = preset("tiny")
 
