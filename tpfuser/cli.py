@@ -90,10 +90,10 @@ def preflight(args) -> None:
             check_chunks(cfgs[0], layout, args.overlap)
         if args.predict:
             check_predict_arguments(cfgs[0], layout, schedule, args)
+    check_distinct({f"--{o}": getattr(args, o, None) for o in ("json", "png")},   # (first: whatever their names)
+                   {**schedule_files(args), **predict_files(args)})
     for option in ("json", "png"):
         check_writable(getattr(args, option, None), f"--{option}")
-    check_distinct({f"--{o}": getattr(args, o, None) for o in ("json", "png")},
-                   {**schedule_files(args), **predict_files(args)})
     check_launch(layout if _RUNS_RANKS[args.command] else None, nvfuser=_IMPORTS_NVFUSER[args.command])
     if _RUNS_RANKS[args.command]:
         refused = known_failure(cfgs[0], layout, schedule)

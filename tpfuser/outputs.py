@@ -179,11 +179,11 @@ def check_distinct(outputs: dict, inputs: dict) -> None:
                 os.path.realpath(a) == os.path.realpath(b)
         except OSError:
             return False
-    named = [(o, p) for o, p in outputs.items() if p not in (None, "-")]
+    named = [(o, p) for o, p in outputs.items() if p not in (None, "-", "")]   # ("": check_writable's to refuse)
     for i, (option, path) in enumerate(named):
         for other, given in [*((k, v) for k, vs in inputs.items() for v in (vs if isinstance(vs, list) else [vs])),
                              *named[:i]]:
-            if given not in (None, "-") and same(path, given):
+            if given not in (None, "-", "") and same(path, given):
                 raise ValueError(f"{option}={path!r}: the same file as {other}={given!r}; give another file name")
 
 
