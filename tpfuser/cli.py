@@ -22,9 +22,9 @@ import torch
 
 from tpfuser.bench.cli import add_bench_arguments, bench_main
 from tpfuser.config import PRESETS, preset
-from tpfuser.dist.launch import Ended, arm_stack_dumps, check_shared_gpu_fits, relaunch
+from tpfuser.dist.launch import arm_stack_dumps, check_shared_gpu_fits, relaunch
 from tpfuser.dist.world import check_launch, in_launcher
-from tpfuser.outputs import ArgParser, check_distinct, check_writable, write_json
+from tpfuser.outputs import ArgParser, Signalled, check_distinct, check_writable, write_json
 from tpfuser.parallel.overlap_model import (BUSBW_GBPS, TFLOPS, check_chunks, check_rates, format_overlap,
                                             overlap_model)
 from tpfuser.parallel.report import format_plan, plan_report
@@ -91,10 +91,10 @@ def preflight(args) -> None:
             check_chunks(cfgs[0], layout, args.overlap)
         if args.predict:
             check_predict_arguments(cfgs[0], layout, schedule, args)
+    check_distinct({f"--{o}": getattr(args, o, None) for o in ("json", "png")},   # (first: whatever their names)
+                   {**schedule_files(args), **predict_files(args)})
     for option in ("json", "png"):
         check_writable(getattr(args, option, None), f"--{option}")
-    check_distinct({f"--{o}": getattr(args, o, None) for o in ("json", "png")},
-                   {**schedule_files(args), **predict_files(args)})
     check_launch(layout if _RUNS_RANKS[args.command] else None, nvfuser=_IMPORTS_NVFUSER[args.command])
     if _RUNS_RANKS[args.command]:
         refused = known_failure(cfgs[0], layout, schedule)
@@ -239,12 +239,12 @@ def _parser(argv) -> ArgParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    arm_stack_dumps()   # where this process (a rank) is: kill -USR1, or before its run's bound
     parser = _parser(argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown:   # named by the command they were given to
         parser._subparsers._group_actions[0].choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
+        arm_stack_dumps()   # where this process (a rank) is: kill -USR1, or before its run's bound
         if args.command == "bench":   # its own refusals and exit codes (bench.cli)
             return args.fn(args)
         preflight(args)
@@ -255,7 +255,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted (SIGINT): every rank started was ended", file=sys.stderr)
         return 128 + signal.SIGINT
-    except Ended as e:
+    except Signalled as e:   # (launch.Ended too: ranks ended with this process)
         print(e.line, file=sys.stderr)
         return 128 + e.signum
     except BrokenPipeError:   # `tpfuser plan | head`: the reader left; no traceback at exit either

@@ -52,6 +52,39 @@ def _fields_of(cls, changes: dict, where: str) -> None:
                          f"expected some of {', '.join(names)}")
 
 
+class FrozenDict(dict):
+    """A dict that refuses to change in place: a frozen dataclass's mapping field
+    (frozen=True stops assigning the field, not its items). Equal to a dict of
+    the same items; copied and pickled as one; `what` names it in the refusal."""
+
+    def __init__(self, items=(), what: str = "this mapping"):
+        super().__init__(items)
+        self.what = what
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError(f"{self.what} cannot be changed in place (a frozen value: others may share it); make a "
+                        f"changed copy instead, e.g. with its holder's replace()")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
+
+    def __reduce__(self):
+        return FrozenDict, (dict(self), self.what)
+
+
+def frozen(value, what: str):
+    """value with every dict in it a FrozenDict and every list a tuple (a copy: the caller's stays its own)."""
+    if isinstance(value, dict):
+        return FrozenDict({k: frozen(v, what) for k, v in value.items()}, what)
+    return tuple(frozen(v, what) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def thawed(value):
+    """frozen's inverse: plain dicts and lists (for JSON and for a caller to change)."""
+    if isinstance(value, dict):
+        return {k: thawed(v) for k, v in value.items()}
+    return [thawed(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
 @dataclass(frozen=True)
 class BlockConfig:
     """One GPT-2 block and the activation it is run on (global shapes)."""

@@ -5,9 +5,14 @@ Every refusal is one line naming the thing, what was expected and what came
 work (check_writable: never opens it, so it cannot block on a named pipe or
 touch what is there) and written whole or not at all (write_output: a
 temporary file in the same folder, then renamed over the path, with the
-mode the file had; through a symbolic link, the file it names). "-" is
+mode the file had; through a symbolic link, the file it names; SIGINT,
+SIGTERM or SIGHUP during the write leave nothing beside it). "-" is
 standard output, where it makes sense: not for an image (check_writable's
-stdout).
+stdout). An output's format follows its name: a figure is written in the
+format its suffix names (figure_format), and a name whose suffix asks for
+another format than the option writes is refused (check_writable's kind).
+
+Deferred: matplotlib (optional: only a figure needs it), imported where a figure's format is checked or saved.
 """
 
 from __future__ import annotations
@@ -17,9 +22,13 @@ import contextlib
 import json
 import os
 import re
+import signal
 import stat
 import sys
 import tempfile
+import threading
+
+from tpfuser.strict_json import read_json  # noqa: F401 (re-exported: the readers of schedule files, calibrations)
 
 
 class ArgParser(argparse.ArgumentParser):
@@ -43,6 +52,9 @@ class ArgParser(argparse.ArgumentParser):
 
 
 _PATHS_CHECKED = {"json", "png", "out"}   # output paths: check_writable says what is wrong with them
+# Suffixes that ask for a format other than JSON: an image's (matplotlib's formats) or another text format's.
+NOT_JSON = ("avif", "eps", "gif", "jpeg", "jpg", "pdf", "pgf", "png", "ps", "raw", "rgba", "svg", "svgz", "tif", "tiff",
+            "webp", "csv", "tsv", "html", "xml", "yaml", "yml", "toml")
 
 
 def _target(path: str) -> str:
@@ -57,7 +69,38 @@ def _name_max(folder: str) -> int:
         return 255
 
 
-def check_writable(path, option: str, stdout: bool | None = None) -> None:
+def _suffix(path) -> str:
+    return os.path.splitext(os.fspath(path))[1].lower().lstrip(".")
+
+
+def figure_format(path, option: str = "--png") -> str:
+    """The format a figure at `path` is written in: its suffix's (none: png),
+    refused in one line where matplotlib writes no such format or is not installed."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise ValueError(f"{option}={path!r}: a figure needs matplotlib, which is not installed here "
+                         f"(pip install matplotlib)") from None
+    known = FigureCanvasBase.get_supported_filetypes()
+    if _suffix(path) and _suffix(path) not in known:
+        raise ValueError(f"{option}={path!r}: matplotlib writes no {_suffix(path)!r} figure; expected a name ending in "
+                         f"{', '.join('.' + k for k in sorted(known))}")
+    return _suffix(path) or "png"
+
+
+def save_figure(fig, path, option: str = "--png", dpi: int = 110) -> None:
+    """Write a matplotlib figure in the format its name asks for (figure_format),
+    whole or not at all (replacing, with the same suffix), then close it."""
+    import matplotlib.pyplot as plt
+    try:
+        fmt = figure_format(path, option)
+        with replacing(path, option, suffix="." + fmt) as tmp:
+            fig.savefig(tmp, dpi=dpi, format=fmt)
+    finally:
+        plt.close(fig)
+
+
+def check_writable(path, option: str, stdout: bool | None = None, kind: str | None = None) -> None:
     """Refuse now, not after the work, an output path that cannot take a file:
     empty, a directory (or a name ending in /), a dangling link, something
     other than a regular file (a named pipe, a device), a name too long, or in
@@ -65,7 +108,10 @@ def check_writable(path, option: str, stdout: bool | None = None) -> None:
     the path (a named pipe would block) and changes nothing there: only the
     folder is written to (a temporary file, removed at once). stdout: whether
     "-" (standard output) is taken; by default it is, except for an option
-    writing an image (--png: bytes for a terminal or beside the command's text)."""
+    writing an image (--png: bytes for a terminal or beside the command's text).
+    kind: what is written, "figure" (its name's suffix a format matplotlib
+    writes) or "json" (not a suffix of NOT_JSON); by default the option's
+    (--png a figure, --json JSON)."""
     if path is None:
         return
     if not isinstance(path, (str, os.PathLike)):
@@ -73,6 +119,7 @@ def check_writable(path, option: str, stdout: bool | None = None) -> None:
     path = os.fspath(path)
     if stdout is None:
         stdout = not option.endswith("png")
+    kind = kind or ("figure" if option.endswith("png") else "json" if option.endswith("json") else None)
     if path == "-":
         if not stdout:
             raise ValueError(f"{option}='-': an image is not written to standard output; give a file name")
@@ -108,12 +155,18 @@ def check_writable(path, option: str, stdout: bool | None = None) -> None:
     except OSError as e:   # a folder on the way that cannot be searched, say
         raise ValueError(f"{option}={path!r}: cannot be looked at ({e.strerror or e})") from None
     try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".tpfuser-check-"):
-            pass
+        with signals_raise(), held():   # (ended while the probe is there, it would stay)
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".tpfuser-check-"):
+                pass
     except OSError as e:
         raise ValueError(f"{option}={path!r}: no file can be written in {folder!r} ({e.strerror})") from None
     if os.path.exists(target) and not os.access(target, os.W_OK):
         raise ValueError(f"{option}={path!r}: exists and is not writable")
+    if kind == "figure":
+        figure_format(path, option)
+    elif kind == "json" and _suffix(path) in NOT_JSON:
+        raise ValueError(f"{option}={path!r}: its name asks for a {_suffix(path)!r} file, and this writes JSON; "
+                         f"give a name ending in .json")
 
 
 def check_distinct(outputs: dict, inputs: dict) -> None:
@@ -126,12 +179,61 @@ def check_distinct(outputs: dict, inputs: dict) -> None:
                 os.path.realpath(a) == os.path.realpath(b)
         except OSError:
             return False
-    named = [(o, p) for o, p in outputs.items() if p not in (None, "-")]
+    named = [(o, p) for o, p in outputs.items() if p not in (None, "-", "")]   # ("": check_writable's to refuse)
     for i, (option, path) in enumerate(named):
         for other, given in [*((k, v) for k, vs in inputs.items() for v in (vs if isinstance(vs, list) else [vs])),
                              *named[:i]]:
-            if given not in (None, "-") and same(path, given):
+            if given not in (None, "-", "") and same(path, given):
                 raise ValueError(f"{option}={path!r}: the same file as {other}={given!r}; give another file name")
+
+
+class Signalled(BaseException):
+    """SIGTERM or SIGHUP came while an output was being written (signals_raise):
+    raised there, as KeyboardInterrupt is for SIGINT, so that what the write
+    made beside the output is removed before the process ends."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def line(self) -> str:
+        return f"ended by {signal.Signals(self.signum).name}: no output was left half-written"
+
+
+def _raise_signalled(signum, frame):
+    raise Signalled(signum)
+
+
+ENDING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def signals_raise():
+    """SIGTERM and SIGHUP raise Signalled while the body runs, where they would
+    end the process at once (their default disposition: no finally clause runs);
+    a handler of the program's own, or an ignored signal, is left as it is."""
+    if threading.current_thread() is not threading.main_thread():   # (handlers are the main thread's)
+        yield
+        return
+    previous = {sig: signal.signal(sig, _raise_signalled) for sig in ENDING[1:]
+                if signal.getsignal(sig) == signal.SIG_DFL}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def held():
+    """The ending signals held while the body runs (delivered at its end): for
+    the steps between making a file and knowing to remove it."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, ENDING)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def _umask() -> int:
@@ -161,26 +263,30 @@ def replacing(path, option: str = "output", suffix: str = ".tmp"):
     # the temporary file's name: the target's, cut to fit the folder's limit with the random part and suffix
     stem = os.fsencode("." + os.path.basename(target) + ".")[: max(1, _name_max(folder) - 16 - len(os.fsencode(suffix)))]
     tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.fsdecode(stem), suffix=suffix)
+    with signals_raise():
         try:
-            mode = stat.S_IMODE(os.stat(target).st_mode) if os.path.exists(target) else 0o666 & ~_umask()
-            os.fchmod(fd, mode)
+            with held():   # (a signal here would come between making the file and knowing its name)
+                fd, tmp = tempfile.mkstemp(dir=folder, prefix=os.fsdecode(stem), suffix=suffix)
+                try:
+                    mode = stat.S_IMODE(os.stat(target).st_mode) if os.path.exists(target) else 0o666 & ~_umask()
+                    os.fchmod(fd, mode)
+                finally:
+                    os.close(fd)
+            yield tmp
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, target)
+            tmp = None
+        except OSError as e:
+            raise ValueError(f"{option}={path!r}: could not be written ({e.strerror or e}); nothing was written") \
+                from None
         finally:
-            os.close(fd)
-        yield tmp
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, target)
-        tmp = None
-    except OSError as e:
-        raise ValueError(f"{option}={path!r}: could not be written ({e.strerror or e}); nothing was written") from None
-    finally:
-        if tmp is not None and os.path.lexists(tmp):
-            os.remove(tmp)
+            with held():
+                if tmp is not None and os.path.lexists(tmp):
+                    os.remove(tmp)
 
 
 def write_output(path, text: str, option: str = "output") -> None:
@@ -207,15 +313,3 @@ def write_output(path, text: str, option: str = "output") -> None:
 
 def write_json(path, data, option: str = "--json") -> None:
     write_output(path, json.dumps(data, indent=1) + "\n", option)
-
-
-def read_json(path: str, what: str, error: type[ValueError] = ValueError):
-    """The JSON a file holds, or one line naming it (`what` the file is:
-    "schedule file", "calibration") where it is not a readable JSON file."""
-    if not os.path.isfile(path):   # (never opened: a named pipe would block)
-        raise error(f"{what} {path!r}: not a file")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise error(f"{what} {path!r}: not readable as JSON ({e})") from None

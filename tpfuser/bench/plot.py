@@ -22,7 +22,8 @@ import signal
 import stat
 import sys
 
-from tpfuser.outputs import ArgParser, check_writable, replacing
+from tpfuser.outputs import ArgParser, Signalled, check_writable, save_figure
+from tpfuser.strict_json import MAX_BYTES, Refused, strict_loads
 
 MESH = re.compile(r"^[1-9][0-9]*x[1-9][0-9]*$")
 
@@ -84,30 +85,6 @@ def plot_scaling(reports: list[dict], path: str, option: str = "--png") -> None:
     save_figure(fig, path, option)
 
 
-def figure_format(path: str, option: str = "--png") -> str:
-    """The format matplotlib writes `path` in: its suffix's (no suffix: png),
-    refused in one line where matplotlib has none for it."""
-    from matplotlib.backend_bases import FigureCanvasBase
-    suffix = os.path.splitext(path)[1].lower().lstrip(".")
-    known = FigureCanvasBase.get_supported_filetypes()
-    if suffix and suffix not in known:
-        raise ValueError(f"{option}={path!r}: matplotlib writes no {suffix!r} figure; expected a name ending in "
-                         f"{', '.join('.' + k for k in sorted(known))}")
-    return suffix or "png"
-
-
-def save_figure(fig, path: str, option: str = "--png") -> None:
-    """Write the figure whole or not at all (a temporary file with the same
-    suffix beside it, renamed over it), then close it."""
-    import matplotlib.pyplot as plt
-    try:
-        fmt = figure_format(path, option)
-        with replacing(path, option, suffix="." + fmt) as tmp:
-            fig.savefig(tmp, dpi=110, format=fmt)
-    finally:
-        plt.close(fig)
-
-
 def _cut_short(text: str) -> str | None:
     """Whether JSON text stops before its end (a file cut short: a copy or a
     write interrupted): "string" inside a string, "bracket" with an object or
@@ -139,7 +116,7 @@ def read_report(path: str) -> dict:
     where = "REPORT='-' (standard input)" if path == "-" else f"REPORT={path!r}"
     if path == "-":
         try:
-            text = sys.stdin.buffer.read()
+            text = sys.stdin.buffer.read(MAX_BYTES + 1)
         except (OSError, AttributeError, ValueError) as e:
             raise ValueError(f"{where}: standard input could not be read ({e})") from None
     else:
@@ -155,11 +132,15 @@ def read_report(path: str) -> dict:
         if not stat.S_ISREG(info.st_mode):
             raise ValueError(f"{where}: not a regular file (a pipe, socket or device); give a report's file "
                              f"(or - for standard input)")
+        if info.st_size > MAX_BYTES:   # (refused unread)
+            raise ValueError(f"{where}: {info.st_size} bytes; expected at most {MAX_BYTES} (a bench report)")
         try:
             with open(path, "rb") as f:
                 text = f.read()
         except OSError as e:
             raise ValueError(f"{where}: cannot be read ({e.strerror or e})") from None
+    if len(text) > MAX_BYTES:
+        raise ValueError(f"{where}: more than {MAX_BYTES} bytes; expected at most that (a bench report)")
     if not text.strip():
         raise ValueError(f"{where}: empty; expected a bench report's JSON (tpfuser bench --json)")
     try:
@@ -167,7 +148,9 @@ def read_report(path: str) -> dict:
     except UnicodeDecodeError as e:
         raise ValueError(f"{where}: not text (byte {e.start} is not UTF-8); expected a bench report's JSON") from None
     try:
-        rep = json.loads(decoded)
+        rep = strict_loads(decoded)
+    except Refused as e:
+        raise ValueError(f"{where}: {e}") from None
     except json.JSONDecodeError as e:
         if _cut_short(decoded):
             raise ValueError(f"{where}: cut short (its JSON ends inside an unclosed "
@@ -187,10 +170,16 @@ def read_report(path: str) -> dict:
         validate_report(rep)
         if not MESH.match(rep["mesh"]):
             raise ValueError(f"report.mesh: expected DPxTP (e.g. '1x8'), got {rep['mesh']!r}")
+        if not rep["compute_floor_ms"] > 0:   # (what is drawn: a time, a ratio of times, is positive)
+            raise ValueError(f"report.compute_floor_ms: expected a positive time in ms, got {rep['compute_floor_ms']!r}")
         for name, row in rep["results"].items():
             ratio = row.get("ratio_to_eager")
             if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))):
                 raise ValueError(f"report.results[{name!r}].ratio_to_eager: expected float, got {type(ratio).__name__}")
+            for key in ("min_ms", "median_ms", "max_ms", "ratio_to_eager"):
+                if row.get(key) is not None and not row[key] > 0:
+                    raise ValueError(f"report.results[{name!r}].{key}: expected a positive "
+                                     f"{'ratio' if key.startswith('ratio') else 'time in ms'}, got {row[key]!r}")
         if "gpu" in rep and not isinstance(rep["gpu"], str):
             raise ValueError(f"report.gpu: expected str, got {type(rep['gpu']).__name__}")
     except (ValueError, TypeError, AttributeError, KeyError) as e:   # (the last: a shape no check foresaw)
@@ -213,8 +202,7 @@ def main(argv=None) -> int:
     try:
         if args.reports.count("-") > 1:
             raise ValueError("REPORT='-': standard input given more than once; it holds one report")
-        check_writable(args.out, "OUT", stdout=False)   # before anything is read: the path is the user's first mistake
-        figure_format(args.out, "OUT")
+        check_writable(args.out, "OUT", stdout=False, kind="figure")   # before anything is read: the user's first mistake
         reports = [read_report(p) for p in args.reports]
         several_meshes = len({r["mesh"] for r in reports}) > 1
         (plot_scaling if several_meshes else plot_reports)(reports, args.out, "OUT")
@@ -224,6 +212,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted (SIGINT): nothing was written", file=sys.stderr)
         return 128 + signal.SIGINT
+    except Signalled as e:
+        print(e.line, file=sys.stderr)
+        return 128 + e.signum
     return 0
 
 

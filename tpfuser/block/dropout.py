@@ -75,11 +75,16 @@ def hash_positions(index, key: int | object, ops=PLAIN_OPS):
     return mix32(ops.xor(ops.xor(first, ops.shr(index, 32)), k_high), ops)
 
 
+def check_rng(name: str, value) -> None:
+    """Refuse a seed or offset that is not an int in [0, 2**64), naming it."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 64:
+        raise ValueError(f"{name}={value!r}: must be an int in [0, 2**64)")
+
+
 def stream_key(seed: int, offset: int, stream: str) -> int:
     """The key of one dropout stream of one call: 62 bits from (seed, offset, stream)."""
-    for name, value in (("rng_seed", seed), ("rng_offset", offset)):
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 64:
-            raise ValueError(f"{name}={value!r}: must be an int in [0, 2**64)")
+    check_rng("rng_seed", seed)
+    check_rng("rng_offset", offset)
     words = [seed & M32, seed >> 32, offset & M32, offset >> 32, STREAMS[stream]]
     low = high = 0x9E3779B9
     for w in words:

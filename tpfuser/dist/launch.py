@@ -10,6 +10,7 @@ import ctypes
 import faulthandler
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from tpfuser.config import Layout
 from tpfuser.dist import procs
 from tpfuser.dist.sharegpu import SHARED_GPU_MARK, SHIM_VARIABLE, build_default_stream_shim
 from tpfuser.dist.world import SINGLE_PROCESS_MARK, free_port
+from tpfuser.outputs import Signalled
 from tpfuser.parallel.placements import PARAM_PLACEMENTS, local_shape, saved_bytes_per_rank
 from tpfuser.parallel.linear_schedule import EXECUTOR_OVERLAPS
 
@@ -34,6 +36,9 @@ from tpfuser.parallel.linear_schedule import EXECUTOR_OVERLAPS
 # from TIMEOUT_VAR when a run starts (run_timeout_s).
 TIMEOUT_VAR = "TPFUSER_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
+MAX_TIMEOUT_S = 7 * 24 * 3600.0   # a week: what faulthandler's watchdog (arm_stack_dumps) can wait for, and more
+# A plain number of seconds in text (not inf, nan, a sign), else NaN, which every bound refuses.
+_seconds = lambda text: float(text) if re.fullmatch(r"\s*\d*\.?\d+([eE][+-]?\d+)?\s*", text) else math.nan  # noqa: E731
 # Between SIGTERM and SIGKILL: time for torchrun to stop its ranks and NCCL to let go.
 GRACE_S = 10.0
 ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)   # what ends the ranks with us
@@ -73,11 +78,14 @@ def arm_stack_dumps() -> None:
 
 
 def stacks_due_in_s() -> float | None:
-    """Seconds (at least 1) until run_bounded wants this process's stacks (STACKS_AT_VAR, ours), or None."""
-    try:
-        return max(1.0, float(os.environ[STACKS_AT_VAR]) - time.time())
-    except (KeyError, ValueError):
+    """Seconds (at least 1) until run_bounded wants this process's stacks (STACKS_AT_VAR, ours), or None;
+    refused in one line where it holds no time within MAX_TIMEOUT_S (faulthandler's wait would overflow)."""
+    if (text := os.environ.get(STACKS_AT_VAR)) is None:
         return None
+    if not (left := _seconds(text) - time.time()) < MAX_TIMEOUT_S:
+        raise ValueError(f"{STACKS_AT_VAR}={text!r}: expected the time (seconds since the epoch, within "
+                         f"{MAX_TIMEOUT_S:.0f} s) a bounded run's ranks print their stacks at; tpfuser's launcher sets it")
+    return max(1.0, left)
 
 
 def torchrun_command(layout: Layout, argv: list[str], environ: dict[str, str],
@@ -104,12 +112,8 @@ def run_timeout_s() -> float:
     text = os.environ.get(TIMEOUT_VAR)
     if text is None:
         return DEFAULT_TIMEOUT_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{TIMEOUT_VAR}={text!r}: must be a positive number of seconds "
+    if not 0 < (value := _seconds(text)) <= MAX_TIMEOUT_S:
+        raise ValueError(f"{TIMEOUT_VAR}={text!r}: must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0f} "
                          f"(the bound on a multi-rank run; unset: {DEFAULT_TIMEOUT_S:.0f})")
     return value
 
@@ -188,12 +192,8 @@ def _end_all(started: list[subprocess.Popen], grace_s: float) -> None:
             signal.signal(sig, handler)
 
 
-class Ended(BaseException):
+class Ended(Signalled):
     """This process was told to end (SIGTERM, SIGHUP) while its ranks ran: they are ended too."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
 
     @property
     def line(self) -> str:

@@ -155,6 +155,13 @@ def dp_group(layout: Layout, rank: int):
     return mine
 
 
+def check_group(name: str, group) -> None:
+    """Refuse, in one line, a process group that is none: not None nor a torch.distributed ProcessGroup."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"{name}={group!r}: expected None or a torch.distributed ProcessGroup "
+                         f"(world.dp_group(layout, rank)), got {type(group).__name__}")
+
+
 def rank_groups(layout: Layout, rank: int):
     """torch.distributed (NCCL) for this rank, and its groups: .tp and .dp (this
     rank's row and column of the mesh) and .tp_mesh (a torch DeviceMesh over its

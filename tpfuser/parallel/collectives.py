@@ -232,6 +232,20 @@ def all_collectives(cfg: BlockConfig, layout: Layout, schedule=None) -> list[Col
     return forward_collectives(cfg, layout, schedule) + backward_collectives(cfg, layout, schedule)
 
 
+# The cut point where a linear's fusion begins, by the site of a collective its runner takes over.
+POINTS = {"input": "{linear}", "output": "{linear}", "grad_input": "grad:{linear}.in"}
+
+
+def runner_sites(style: str) -> list[tuple[str, str, str]]:
+    """(phase, site, kind) of the collectives a runner may take over from a linear of this style (column, row,
+    column-sp, row-sp): the forward's gather or reduction, a column-parallel input gradient's reduction."""
+    sp = style.endswith("-sp")
+    reduce = "reducescatter" if sp else "allreduce"
+    if style.startswith("column"):
+        return ([("forward", "input", "allgather")] if sp else []) + [("backward", "grad_input", reduce)]
+    return [("forward", "output", reduce)]
+
+
 def runs_beside_gemm(c: Collective) -> bool:
     """Whether the runtime runs this collective with its linear's GEMM, chunked or as a ring (a fusion of its own
     replaced by the runner of its algorithm): the forward's gathers and reductions and the backward's input

@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 
 from tpfuser.block.form import BACKWARD_CUTS, FORWARD_CUTS, LINEARS, MASK_FORMS, MASK_POINTS, QKV_SPLITS, Form
 from tpfuser.block.form import PARTIAL_SUMS
-from tpfuser.config import BlockConfig, Layout
+from tpfuser.config import BlockConfig, Layout, frozen, thawed
 from tpfuser.outputs import read_json
-from tpfuser.parallel.linear_schedule import COLUMN, ROW, ChunksRefused, LinearSchedule, refuse as _refuse
+from tpfuser.parallel.collectives import POINTS, runner_sites, whole_because
+from tpfuser.parallel.linear_schedule import (COLUMN, EXECUTOR_OVERLAPS, ROW, ChunksRefused, LinearSchedule,
+                                              refuse as _refuse)
 from tpfuser.parallel.placements import LINEAR_STYLES
 
 
@@ -78,6 +80,8 @@ class Schedule:
             object.__setattr__(self, name, tuple(value))
         if not isinstance(self.fusion_options, dict):
             _refuse("fusion_options", "an object of {cut point: {enable_options, disable_options}}", self.fusion_options)
+        for name in ("linears", "fusion_options"):   # copies that cannot change in place: a named schedule is shared
+            object.__setattr__(self, name, frozen(getattr(self, name), f"schedule {self.name!r}: its {name}"))
         for point, opts in self.fusion_options.items():
             if point not in ("",) + FORWARD_CUTS + BACKWARD_CUTS + MASK_POINTS:
                 _refuse(f"fusion_options.{point}", "a cut point a fusion begins at ('' for a pass's first)", point)
@@ -85,13 +89,14 @@ class Schedule:
                     isinstance(v, (list, tuple)) and all(isinstance(o, str) for o in v) for v in opts.values()):
                 _refuse(f"fusion_options.{point}", "an object of enable_options and/or disable_options, "
                         "each a list of nvFuser option names", opts)
-        unknown = [c for c in self.cuts if c not in FORWARD_CUTS + BACKWARD_CUTS]
-        if unknown:
+        if unknown := [c for c in self.cuts if c not in FORWARD_CUTS + BACKWARD_CUTS]:
             _refuse("cuts", f"cut points among {', '.join(FORWARD_CUTS + BACKWARD_CUTS)}", unknown)
-        missing = sorted(set(self.fusion_options) - self.fusion_points())
-        if missing:   # options for a fusion this schedule does not have would be taken and never applied
-            _refuse(f"fusion_options.{missing[0]}", "a point a fusion of this schedule begins at: one of "
-                    + ", ".join(repr(p) for p in sorted(self.fusion_points())), missing[0])
+        taken = self.fusion_points() - (executor := self.executor_points())
+        if missing := sorted(set(self.fusion_options) - taken):   # options for no fusion: taken, never applied
+            apart = (f" and takes options at ({missing[0]}, overlap {self.linears[missing[0]].overlap!r}, runs in "
+                     f"nvFuser's MultiDeviceExecutor with options of its own)" if missing[0] in executor else "")
+            _refuse(f"fusion_options.{missing[0]}", f"a point a fusion of this schedule begins at{apart}: one of "
+                    + ", ".join(repr(p) for p in sorted(taken)), missing[0])
         hintable = tuple(c for c in FORWARD_CUTS + BACKWARD_CUTS if c != "masks")   # ("masks": nothing crosses it)
         if [c for c in self.segment_hints if c not in hintable] or set(self.segment_hints) & self.fusion_cuts():
             _refuse("segment_hints", f"points among {', '.join(hintable)}, none of them a cut", self.segment_hints)
@@ -121,6 +126,13 @@ class Schedule:
             if linear in COLUMN:
                 cuts |= {f"grad:{linear}.in", f"grad:{linear}.in.out"}
         return frozenset(cuts)
+
+    def executor_points(self) -> frozenset[str]:
+        """The cut points whose fusion the runtime hands to nvFuser's MultiDeviceExecutor (EXECUTOR_OVERLAPS) with
+        options of its own: a linear's collective it runs there, not whole (collectives.whole_because)."""
+        return frozenset(POINTS[site].format(linear=linear) for linear, plan in self.chunked().items()
+                         if plan.overlap in EXECUTOR_OVERLAPS for phase, site, kind in runner_sites(plan.style)
+                         if not whole_because(plan.overlap, kind, phase, site))
 
     def fusion_points(self) -> frozenset[str]:
         """The points a fusion begins at in some pass: "" (a pass's first), every
@@ -188,10 +200,7 @@ class Schedule:
         return out
 
     def as_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        for key in ("cuts", "segment_hints", "enable_options", "disable_options"):
-            out[key] = list(out[key])
-        return out
+        return thawed(dataclasses.asdict(self))
 
 
 def _megatron(name: str, sp: bool, chunked: dict | None = None, **block) -> Schedule:
@@ -271,24 +280,20 @@ def schedule_from_dict(data: dict) -> Schedule:
     change (default "megatron")."""
     if not isinstance(data, dict):
         _refuse("(the schedule)", "a JSON object of fields", type(data).__name__)
-    unknown = sorted(set(data) - _FIELDS - {"base"})
-    if unknown:
+    if unknown := sorted(set(data) - _FIELDS - {"base"}):
         _refuse(unknown[0], f"one of {', '.join(sorted(_FIELDS | {'base'}))}", data[unknown[0]])
     base_name = data.get("base", "megatron")
     if not isinstance(base_name, str) or base_name not in SCHEDULES:
         _refuse("base", f"a named schedule ({', '.join(SCHEDULES)})", base_name)
-    base = SCHEDULES[base_name]
-    linears = dict(base.linears)
-    given = data.get("linears", {})
-    if not isinstance(given, dict):
+    linears = dict((base := SCHEDULES[base_name]).linears)
+    if not isinstance(given := data.get("linears", {}), dict):
         _refuse("linears", "an object of linears by name", given)
     for linear, fields in given.items():
         if linear not in LINEARS:
             _refuse(f"linears.{linear}", f"a linear among {', '.join(LINEARS)}", linear)
         if not isinstance(fields, dict):
             _refuse(f"linears.{linear}", f"an object of {', '.join(sorted(_LINEAR_FIELDS))}", fields)
-        bad = sorted(set(fields) - _LINEAR_FIELDS)
-        if bad:
+        if bad := sorted(set(fields) - _LINEAR_FIELDS):
             _refuse(f"linears.{linear}.{bad[0]}", f"one of {', '.join(sorted(_LINEAR_FIELDS))}", fields[bad[0]])
         linears[linear] = dataclasses.replace(linears[linear], **fields)
     block = {k: v for k, v in data.items() if k not in ("base", "linears")}
@@ -299,16 +304,13 @@ def schedule_from_dict(data: dict) -> Schedule:
 
 
 def load_schedule(spec) -> Schedule:
-    """A Schedule from a Schedule, a name in SCHEDULES, a dict
-    (schedule_from_dict) or the path of a JSON file holding one (a str or path-like)."""
-    if isinstance(spec, Schedule):
-        return spec
-    if isinstance(spec, (dict, os.PathLike)):
-        return schedule_from_dict(spec if isinstance(spec, dict) else read_json(os.fspath(spec), "schedule file"))
-    if not isinstance(spec, str):
+    """A Schedule from a Schedule (checked again), a SCHEDULES name, a dict or a JSON file's path (str or path-like)."""
+    if isinstance(spec, (Schedule, dict)):
+        return dataclasses.replace(spec) if isinstance(spec, Schedule) else schedule_from_dict(spec)
+    if not isinstance(spec, (str, os.PathLike)):
         raise ValueError(f"schedule={spec!r}: expected a name ({', '.join(SCHEDULES)}), a dict or a JSON file")
     if spec in SCHEDULES:
         return SCHEDULES[spec]
-    if not os.path.isfile(spec):
+    if isinstance(spec, str) and not os.path.isfile(spec):
         raise ValueError(f"schedule {spec!r}: not a named schedule ({', '.join(SCHEDULES)}) nor a file")
-    return schedule_from_dict(read_json(spec, "schedule file"))
+    return schedule_from_dict(read_json(os.fspath(spec), "schedule file", max_bytes=1 << 20))   # a few hundred bytes

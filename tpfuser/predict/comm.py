@@ -30,13 +30,13 @@ every collective. h100-nvlink-nvls keeps NCCL's NVLS all-reduce (multicast on).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 from dataclasses import dataclass
 
 from tpfuser.predict import published
+from tpfuser.strict_json import MAX_BYTES, parse_json
 
 KINDS = ("allreduce", "allgather", "reducescatter")
 # A ring's P2P steps (nvFuser's send/recv), by the communicator backend that moves them.
@@ -204,14 +204,18 @@ _TOOLS = {"all_reduce_perf": "allreduce", "all_gather_perf": "allgather", "reduc
 def parse_nccl_tests(text: str, kind: str | None = None, source: str = "nccl-tests output") -> BusTable:
     """A BusTable from nccl-tests' text output: the out-of-place busbw column of
     each data row, by the header line's columns; the kind from `kind` or the
-    tool's name in the text (all_reduce_perf, ...); the ranks from its
-    '#  Rank N ...' lines."""
+    tool's name in the text (all_reduce_perf, ...), which a kind given must
+    agree with where the text names one; the ranks from its '#  Rank N ...' lines."""
     names = {_TOOLS[t] for t in _TOOLS if t in text}
     if kind is None:
         if len(names) != 1:
             seen = f"several: {', '.join(sorted(names))}" if names else "no tool name such as all_reduce_perf in it"
             raise ValueError(f"{source}: cannot tell the collective ({seen}): name it, e.g. --comm-table allreduce=FILE")
         kind = names.pop()
+    elif names and kind not in names:   # a kind named for output the file says is of another collective
+        tools = " and ".join(sorted(t for t, k in _TOOLS.items() if k in names))
+        raise ValueError(f"{source}: {tools}'s output, given as {kind}'s: name it {'='.join(sorted(names))}=FILE, "
+                         f"or give {next(t for t, k in _TOOLS.items() if k == kind)}'s output")
     header = None
     rows = []
     for line in text.splitlines():
@@ -227,9 +231,9 @@ def parse_nccl_tests(text: str, kind: str | None = None, source: str = "nccl-tes
                 continue
     if header is None:
         raise ValueError(f"{source}: no nccl-tests header line ('#  size  count  type ... busbw') found")
-    rows = sorted({s: b for s, b in rows if s > 0 and b > 0}.items())
+    rows = sorted({s: b for s, b in rows if 0 < s < 1 << 63 and b > 0}.items())
     if not rows:
-        raise ValueError(f"{source}: no data rows with a positive size and busbw under the header")
+        raise ValueError(f"{source}: no data rows with a positive size (below 2**63) and busbw under the header")
     ranks = len(set(re.findall(r"^#\s+Rank\s+(\d+)", text, flags=re.M)))
     return BusTable(kind, tuple(s for s, _ in rows), tuple(b for _, b in rows), ranks or 8,
                     f"{source} ({len(rows)} sizes, {ranks or 'unknown, taken as 8'} ranks)")
@@ -258,6 +262,9 @@ def read_comm_table(spec: str) -> dict:
         raise ValueError(f"--comm-table={spec!r}: kind expected one of {', '.join(ALL_KINDS)}, got {kind!r}")
     if not os.path.isfile(path):   # (never opened: a named pipe would block)
         raise ValueError(f"--comm-table={spec!r}: {path!r} is not a regular file")
+    if os.path.getsize(path) > MAX_BYTES:   # (refused unread: nccl-tests' output is a few KB)
+        raise ValueError(f"--comm-table={spec!r}: {os.path.getsize(path)} bytes; expected at most {MAX_BYTES} "
+                         f"(nccl-tests output or a JSON table)")
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -267,16 +274,18 @@ def read_comm_table(spec: str) -> dict:
         raise ValueError(f"--comm-table={spec!r}: not text (expected nccl-tests output or JSON)") from None
     if not text.lstrip().startswith("{"):
         return {(t := parse_nccl_tests(text, kind or None, f"nccl-tests output {path}")).kind: t}
+    data = parse_json(text, f"--comm-table={spec!r}")
     try:
-        data = json.loads(text)
         source = data.get("source", path)
         out = {}
         for k, t in data["tables"].items():
             sizes, bw, ranks = t["sizes"], t["busbw_gbps"], t.get("ranks", 2 if k in P2P_KINDS else 8)
             for name, values, integer in (("sizes", sizes, True), ("busbw_gbps", bw, False)):
-                if not isinstance(values, list) or not all(_finite(v) and (not integer or v == int(v)) for v in values):
+                if not isinstance(values, list) or not all(_finite(v) and (not integer or v == int(v) and v < 1 << 63)
+                                                           for v in values):
                     unit = "whole numbers of bytes" if integer else "GB/s"
-                    raise _BadTable(f"table {k!r}: {name} expected a list of {unit}, got {values!r}")
+                    raise _BadTable(f"table {k!r}: {name} expected a list of {unit}, got {values!r}"
+                                    + (" (a size below 2**63 each)" if integer else ""))
             if not (_finite(ranks) and ranks == int(ranks) and ranks >= 2):
                 raise _BadTable(f"table {k!r}: ranks expected a whole number >= 2 (the ranks it was measured on), "
                                  f"got {ranks!r}")
@@ -284,7 +293,7 @@ def read_comm_table(spec: str) -> dict:
                               f"{source} ({path})")
     except _BadTable as e:
         raise ValueError(f"--comm-table={spec!r}: {e}") from None
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as e:
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise ValueError(f"--comm-table={spec!r}: expected nccl-tests output or JSON "
                          f"{{'tables': {{kind: {{'sizes', 'busbw_gbps'}}}}}}, got {type(e).__name__}: {e}") from None
     if kind:

@@ -66,7 +66,8 @@ def add_predict_arguments(p) -> None:
     p.add_argument("--comm-table", default=[], metavar="[KIND=]FILE", action=_AndPredict,
                    help="nccl-tests output (or JSON) replacing the interconnect's table for its collective; repeatable")
     p.add_argument("--png", default=None, metavar="FILE", action=_AndPredict,
-                   help="draw the timeline (both lanes, both passes) here")
+                   help="draw the timeline (both lanes, both passes) here, in the format its name asks for "
+                        "(.png, .svg, .pdf, ...)")
     p.add_argument("--compare", nargs=0, default=False, action=_AndPredict,
                    help="also every named schedule's forward and backward at this preset and mesh (those of its "
                         "parallelism, SP or not) and the one given, the fastest marked")

@@ -1,12 +1,13 @@
-"""PNG of a prediction's timeline: for each pass, one rank's two lanes
-(compute above, communication below), each op a bar from its start to its
-end in ms; GEMMs, attention, the other compute and the collectives in their
-own colours; time the compute lane waits on a collective shaded. matplotlib
-is an optional dependency: imported here only."""
+"""A prediction's timeline as a figure (a PNG, or the format its name asks
+for): for each pass, one rank's two lanes (compute above, communication
+below), each op a bar from its start to its end in ms; GEMMs, attention, the
+other compute and the collectives in their own colours; time the compute
+lane waits on a collective shaded. matplotlib is an optional dependency:
+imported here and in outputs.save_figure only."""
 
 from __future__ import annotations
 
-from tpfuser.outputs import replacing
+from tpfuser.outputs import save_figure
 
 # Deferred: matplotlib (an optional dependency, pyproject's test extra), imported
 # in plot_timeline when a --png is asked for: `plan --predict` runs without it.
@@ -55,8 +56,4 @@ def plot_timeline(rep: dict, path: str) -> None:
     fig.suptitle(f"{rep['preset']} tp {rep['tp']} ({rep['parallelism']}), {rep['schedule']}: one rank, predicted "
                  f"({stand_in}, {rep['interconnect']['name']})", fontsize=9)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
-    try:
-        with replacing(path, "--png", suffix=".png") as tmp:   # whole or not at all, through a link to its file
-            fig.savefig(tmp, dpi=130, format="png")
-    finally:
-        plt.close(fig)
+    save_figure(fig, path, "--png", dpi=130)   # in the format its name asks for, whole or not at all

@@ -22,14 +22,14 @@ from tpfuser.block.dropout import STREAMS, flash_seed, stream_key
 from tpfuser.block.inputs import MASK_STARTS, rng_input_names
 from tpfuser.block.tensors import BY_NAME, MASKS, PARAM_NAMES, memory_order, param_shapes
 from tpfuser.config import BlockConfig, Layout, check_config, check_flags
-from tpfuser.dist.world import describe_single_process, sum_over_group
+from tpfuser.dist.world import check_group, describe_single_process, sum_over_group
 from tpfuser.parallel.placements import PARAM_PLACEMENTS, local_shape, placements
 from tpfuser.parallel.schedule import Pass
 from tpfuser.parallel.schedules import Schedule, default_schedule, known_failure, load_schedule
 from tpfuser.parallel.shard import local_slice, slice_starts
 from tpfuser.runtime import kernel_cache, shared
 from tpfuser.runtime.chunked import ChunkedLinears
-from tpfuser.runtime.weights import check_finite, check_tensor, from_hf_gpt2, rank_shards, to_device
+from tpfuser.runtime.weights import block_device, check_finite, check_tensor, from_hf_gpt2, rank_shards, to_device
 
 MASKED = {stream: mask.name for stream, mask in MASKS.items()}   # the tensor each dropout stream masks
 
@@ -91,22 +91,24 @@ class ShardedBlock:
     """One rank's share of the block on a dp x tp mesh, under a schedule."""
 
     def __init__(self, cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, check: bool = False,
-                 device: Optional[torch.device] = None, dp_group=None, check_finite: bool = False,
+                 device: torch.device | str | int | None = None, dp_group=None, check_finite: bool = False,
                  schedule: Schedule | str | dict | None = None):
-        """schedule: parallel/schedules.py's (a name, a dict, a JSON file or a
+        """device: as PyTorch takes one (weights.block_device; default the current CUDA
+        device). schedule: parallel/schedules.py's (a name, a dict, a JSON file or a
         Schedule); default "megatron-cut-linears", or its -sp for a sequence-parallel
         layout. check: the forward also returns the dropout keep-masks.
         dp_group: the torch.distributed group of this rank's dp replicas
         (world.dp_group), over which backward sums the parameter gradients;
         needed when dp > 1. check_finite: refuse an input (x, grad_out)
         holding NaN or inf; off by default, since reading the count back waits
-        for the GPU on every call. On its own (no launcher) the process
-        describes a world of one to nvFuser first
-        (world.describe_single_process): before its first fusion runs."""
+        for the GPU on every call. On its own (no launcher) the process describes
+        a world of one to nvFuser first (world.describe_single_process)."""
         check_config(cfg, layout)
         check_flags(check=check, check_finite=check_finite)
         if not isinstance(rank, int) or isinstance(rank, bool):
             raise ValueError(f"rank={rank!r}: expected an int in [0, {layout.world_size})")
+        self.device, self.dp_group = block_device(device), dp_group
+        check_group("dp_group", dp_group)
         self.schedule = default_schedule(layout) if schedule is None else load_schedule(schedule)
         self.schedule.check(cfg, layout)
         layout.check(cfg)
@@ -115,7 +117,6 @@ class ShardedBlock:
         describe_single_process()
         self.cfg, self.layout, self.rank, self.check = cfg, layout, rank, check
         self.dp_rank, self.tp_rank = layout.rank_coords(rank)
-        self.device = device or torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
         self.form = self.schedule.form()
         self.keys_on_device = self.schedule.keys_on_device and cfg.dropout > 0
         self._keys = None   # the keys' CUDA tensor (keys_on_device), made at first use
@@ -129,7 +130,6 @@ class ShardedBlock:
         self.chunked = ChunkedLinears(self)
         self.forward_pass = self.pass_of("forward", True)
         self._params: Optional[list[torch.Tensor]] = None
-        self.dp_group = dp_group
         self.check_finite = check_finite
 
     # -- parameters -------------------------------------------------------

@@ -27,7 +27,7 @@ import os
 import torch
 
 from tpfuser.dist.sharegpu import check_host_ir_device
-from tpfuser.parallel.collectives import Collective, all_collectives, runs_beside_gemm
+from tpfuser.parallel.collectives import POINTS, Collective, all_collectives, runs_beside_gemm
 from tpfuser.parallel.overlapped import (OVERLAP_OPTIONS, allgather_column_parallel_overlapped, chunk_fusion,
                                          row_parallel_overlapped, run_allgather_overlapped)
 from tpfuser.parallel.ring import allgather_linear, matmul_reducescatter, ring_executor
@@ -48,15 +48,13 @@ def check_connections(schedule) -> None:
     os.environ[CONNECTIONS_VAR] = "1"
 
 
-# The cut point where a linear's fusion begins, by the site of the collective its runner takes over.
-POINT = {"input": "{linear}", "output": "{linear}", "grad_input": "grad:{linear}.in"}
 PATTERN = {"allreduce": "rows", "allgather": "gather", "reducescatter": "scatter"}
 
 
 def chunked_pieces(schedule, cfg, layout) -> dict[tuple[str, str], Collective]:
     """{(phase, cut point): the collective} of every linear whose fusion the runtime runs with its
     collective beside the GEMM (collectives.runs_beside_gemm): the point its fusion begins at in that phase."""
-    return {(c.phase, POINT[c.site].format(linear=c.linear)): c
+    return {(c.phase, POINTS[c.site].format(linear=c.linear)): c
             for c in all_collectives(cfg, layout, schedule) if runs_beside_gemm(c)}
 
 

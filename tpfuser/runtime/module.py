@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from tpfuser.block.dropout import check_rng
 from tpfuser.block.tensors import PARAM_NAMES
 from tpfuser.config import BlockConfig, Layout, check_flags
 from tpfuser.dist.world import gather_output
@@ -55,10 +56,11 @@ class TPBlock(torch.nn.Module):
     dropout keys from the device, whatever the schedule says)."""
 
     def __init__(self, cfg: BlockConfig, layout: Layout = Layout(), rank: int = 0, rng_seed: int = 0,
-                 device: Optional[torch.device] = None, dp_group=None, graphs: bool = False,
+                 device: torch.device | str | int | None = None, dp_group=None, graphs: bool = False,
                  schedule: Schedule | str | dict | None = None):
         super().__init__()
         check_flags(graphs=graphs)
+        check_rng("rng_seed", rng_seed)   # (the first step's masks are drawn from it: refused now, not then)
         self.cfg, self.layout, self.rank = cfg, layout, rank
         schedule = default_schedule(layout) if schedule is None else load_schedule(schedule)
         if graphs:

@@ -248,6 +248,31 @@ def rank_shards(state: dict[str, torch.Tensor], cfg: BlockConfig, layout: Layout
     return rank_params(fusion_params(full, cfg), layout, rank)
 
 
+def block_device(device) -> torch.device:
+    """The block's device from what PyTorch takes for one: a torch.device, a str
+    ("cuda", "cuda:1", "cpu") or a CUDA device's index (None: the current CUDA
+    device). Refused in one line: another type, a device the block cannot be
+    on (its fusions run on a CUDA GPU; on the CPU only its slices and passes
+    are made), a CUDA index past the GPUs this machine has."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise ValueError(f"device={device!r}: expected a torch.device, a str such as 'cuda:0' or a CUDA device's "
+                         f"index, got {article(device)}")
+    try:
+        made = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"device={device!r}: not a device PyTorch knows ({str(e).splitlines()[0]})") from None
+    if made.type not in ("cuda", "cpu"):
+        raise ValueError(f"device={device!r}: expected a CUDA device ('cuda', 'cuda:N'): the block's fusions run on "
+                         f"a GPU (on the CPU, 'cpu', only its slices and passes are made), got a {made.type} device")
+    count = torch.cuda.device_count() if made.type == "cuda" and torch.cuda.is_available() else None
+    if count is not None and made.index is not None and made.index >= count:
+        raise ValueError(f"device={device!r}: this machine has {count} CUDA device{'s' * (count != 1)} "
+                         f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
+    return made
+
+
 def to_device(t: torch.Tensor, device: torch.device, what: str, dtype=None) -> torch.Tensor:
     """A copy of t on the block's device (and dtype), or one line where that
     device is a GPU this machine has not (torch's own words name no call)."""

@@ -9,7 +9,6 @@ reported as failed with its error; the run goes on to the next case.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
 import subprocess
@@ -22,6 +21,7 @@ from tpfuser.verify.commlog import error_line, error_message
 from tpfuser.config import BlockConfig, Layout
 from tpfuser.dist.sharegpu import SHARED_GPU_MARK
 from tpfuser.dist.world import dp_group, init_rank
+from tpfuser.outputs import write_json
 
 # Deferred: nvfuser_direct (environment, for its version) and tpfuser.verify.check
 # (a case's check: nvFuser), imported when used: the command line imports this
@@ -110,8 +110,7 @@ def run_checks(cfgs: list[BlockConfig], layout: Layout, args) -> int:
             report["complete"] = len(report["cases"]) == len(cfgs)
             print(format_checks(report, only_last=True), flush=True)
             if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(report, f, indent=1)
+                write_json(args.json, report)   # whole or not at all: this rank may be ended as it writes
     ok = report["ok"]
     if layout.world_size > 1:
         flag = [ok]

@@ -109,6 +109,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: BlockConfig):
         super().__init__()
+        if not all(hasattr(cfg, name) for name in ("n_embd", "n_head", "dropout")):   # (duck-typed: see the top)
+            raise ValueError(f"cfg={cfg!r}: expected a BlockConfig (tpfuser.preset(name) or BlockConfig(...)), "
+                             f"got {type(cfg).__name__}")
         self.cfg = cfg
         self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=LN_EPS)
         self.attn = CausalSelfAttention(cfg)
@@ -152,6 +155,11 @@ def make_block(cfg: BlockConfig, seed: int = 0, dtype=torch.float32, device="cpu
     weights and all biases perturbed so that none of them is trivially 1 or 0).
     The weights are drawn by a generator on `drawn_on` (a CUDA device draws
     gpt3's 1.8 G weights in a blink; its numbers differ from the CPU's)."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed={seed!r}: expected an int, got {type(seed).__name__}")
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype={dtype!r}: expected a torch.dtype (torch.float32, torch.bfloat16), "
+                         f"got {type(dtype).__name__}")
     gen = torch.Generator(drawn_on).manual_seed(seed)
     with torch.device(drawn_on):
         block = Block(cfg)
