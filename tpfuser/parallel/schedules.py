@@ -28,7 +28,6 @@ from tpfuser.outputs import read_json
 from tpfuser.parallel.chunking import collective_chunks  # noqa: F401 (re-exported: predict/timeline.py reads it here)
 
 COLUMN, ROW = ("attn.c_attn", "mlp.c_fc"), ("attn.c_proj", "mlp.c_proj")
-STYLES = ("column", "column-sp", "row", "row-sp")
 # How a linear's chunks run: "none" (one chunk), "fusions" (a meshed fusion per chunk, launched by the
 # block on side streams forked and joined with CUDA events: each posts its own collective; CUDA graphs
 # capture it), "streams" (nvFuser's stream axis, lowered to host IR: not capturable in nvFuser 0.2.36).

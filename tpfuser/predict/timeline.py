@@ -98,8 +98,7 @@ def simulate(ops: list[Op]) -> list[Span]:
 
 def collective_chunks(schedule, linear: str, kind: str, phase: str) -> int:
     """How many chunks the schedule cuts one of a linear's collectives into."""
-    fn = getattr(_schedules, "collective_chunks", None)
-    return fn(schedule, linear, kind, phase)[0] if fn else schedule.linears[linear].chunks
+    return _schedules.collective_chunks(schedule, linear, kind, phase)[0]
 
 
 _SLOTS = ((r"before (\S+) backward", "gather_grad"), (r"before (\S+) weight gradient", "gather_input"),
