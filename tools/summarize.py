@@ -94,17 +94,6 @@ for path in sorted(glob.glob(os.path.join(out, "onehead_tp*_h*.txt"))):   # tool
             head, _, verdict = line[len("rank 0: "):].partition(": ")
             summary.setdefault("onehead", []).append({"case": " ".join(head.split()), "result": verdict.strip()})
             rows.append((f"one head: {' '.join(head.split())}", verdict.strip()[:160]))
-cases = [r for path in sorted(glob.glob(os.path.join(out, "bisect_*.json"))) for r in json.load(open(path))]
-if cases:
-    summary["backward_bisect"] = cases
-    for r in cases:
-        if r["outputs"] == "all":
-            rows.append((f"meshed backward tiny {r['dtype']}",
-                         "compiles and runs" if r["ok"] else f"FAILS: {r['error'][:150]}"))
-    singles = [r for r in cases if r["outputs"] != "all"]
-    if singles:
-        bad = [f"{r['dtype']}:{r['outputs'][0]}" for r in singles if not r["ok"]]
-        rows.append(("meshed backward, one output each", f"{len(singles) - len(bad)}/{len(singles)} ok; failing: {', '.join(bad)}"))
 main = os.path.join(out, "main.json")   # make's job, timed (step main)
 if os.path.exists(main):
     summary["main"] = json.load(open(main))
