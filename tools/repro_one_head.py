@@ -1,6 +1,8 @@
 """nvFuser 0.2.36 at one head per rank: the q/k/v split and its gradient's assembly, in each form.
 
-    torchrun --nproc-per-node TP [.nvf/share_gpu.sh] python3 tools/repro_one_head.py HEADS [FORM ...]
+    torchrun --nproc-per-node TP tools/repro_one_head.py HEADS [FORM ...]      (a GPU per rank)
+    torchrun --nproc-per-node TP -m tpfuser.dist.sharegpu --script tools/repro_one_head.py HEADS [FORM ...]
+                                                             (ranks sharing a GPU)
 
 qkv [b, s, h*3d] (rows head by head: [h, 3, d], as the block orders them) is
 split over tp on its heads; q, k and v are taken out of it and attention-like
