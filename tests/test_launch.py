@@ -101,7 +101,7 @@ def test_the_estimate_is_the_larger_phase_not_their_sum():
 
 
 def test_a_bf16_check_counts_rank_0s_eager_run(monkeypatch):
-    """In bf16, rank 0 also runs the block in eager bf16 (check.eager_errors):
+    """In bf16, rank 0 also runs the block in eager bf16 (oracle.eager_errors):
     weights and gradients in bf16 (4 bytes a parameter) and, while the largest
     gradient (c_fc's or c_proj's, 4 e^2) is compared, three float64 tensors of its size."""
     from tpfuser.config import preset

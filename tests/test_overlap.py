@@ -1,4 +1,4 @@
-"""The overlap model (tpfuser/overlap.py, `tpfuser plan --overlap N`), its
+"""The overlap model (tpfuser/parallel/overlap_model.py, `tpfuser plan --overlap N`), its
 plain-PyTorch decomposition, and the overlapped linears' fusions (built here;
 tools/overlap_check.py runs them on a GPU)."""
 import json

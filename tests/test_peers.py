@@ -1,4 +1,4 @@
-"""The DTensor tensor-parallel peer (tpfuser/peers.py), run on the CPU: two
+"""The DTensor tensor-parallel peer (tpfuser/bench/peers.py), run on the CPU: two
 ranks over gloo, each checking its forward output and the gathered gradients
 against the unsharded reference."""
 import os

@@ -207,8 +207,8 @@ def aten_calls(summary: str) -> dict[str, int]:
 
 
 def test_fusion_summary_counts_what_aten_runs():
-    """fp32 writes attention out: two matmuls instead of flash attention (pass_summary,
-    which replaced cli.fusion_summary; it no longer counts the reductions and gaps).
+    """fp32 writes attention out: two matmuls instead of flash attention (pass_summary;
+    it counts no reductions and gaps).
     The single fusion's line, and the default schedule's fusions summed."""
     from tpfuser.parallel.schedule import build_forward
     from tpfuser.verify.inspect import pass_summary

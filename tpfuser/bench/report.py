@@ -1,9 +1,9 @@
 """The benchmark's report: its JSON schema and its table. Pure Python, read by
-bench.py (which writes reports), plot.py and the tests (which read them)."""
+run.py (which writes reports), plot.py and the tests (which read them)."""
 
 from __future__ import annotations
 
-# Parts of the block's work timed alone beside the implementations (bench.py,
+# Parts of the block's work timed alone beside the implementations (run.py,
 # --impl gemms,gemms+attention): never a peer.
 WORK_ONLY = ("gemms", "gemms+attention")
 

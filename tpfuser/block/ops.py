@@ -133,7 +133,7 @@ def sum_rows(fd, t):
 def weight_grad(fd, g, a, rows):
     """dL/dW of y = a W^T: g^T a over all rows; g [b, s, n_out], a [b, s, n_in] -> [n_out, n_in].
     Under sequence parallelism g and a are whole (all-gathered) here: the merge of
-    b and s never merges a device-split axis (plan.BACKWARD_INTERMEDIATES)."""
+    b and s never merges a device-split axis (the backward's intermediates in tensors.TENSORS)."""
     g2 = fd.ops.reshape(g, new_shape=[rows, g.shape()[2]])   # (bs, n_out)
     a2 = fd.ops.reshape(a, new_shape=[rows, a.shape()[2]])   # (bs, n_in)
     return fd.ops.matmul(fd.ops.permute(g2, dims=[1, 0]), a2)

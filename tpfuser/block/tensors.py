@@ -1,6 +1,6 @@
 """The block's tensors, one ordered table: what each is, its dimensions, its
 dtype and when it exists. Their placements on the mesh follow from the
-dimensions (plan.py); the fusions, the runtime, the plan, the report and the
+dimensions (placements.py); the fusions, the runtime, the plan, the report and the
 tests read this table.
 
 Dimensions are named by what they are, so that the sharding reads off them:

@@ -335,7 +335,7 @@ def shared_gpu_bytes(cfg, layout: Layout) -> int:
 
 
 def eager_peer_bytes(cfg) -> int:
-    """What rank 0's eager bf16 run beside the reference adds (check.eager_errors): its weights
+    """What rank 0's eager bf16 run beside the reference adds (oracle.eager_errors): its weights
     and gradients in bf16, and three float64 tensors of its largest gradient's size (rel_l2)."""
     sizes = [math.prod(s) for s in param_shapes(cfg).values()]
     return 4 * sum(sizes) + 24 * max(sizes)
