@@ -22,7 +22,7 @@ from tpfuser.predict.command import add_predict_arguments, check_predict_argumen
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STANDIN = os.path.join(ROOT, "tests", "data", "calibration_standin.json")
 MiB, KiB = 1 << 20, 1 << 10
-PUBLISHED = {1: 39.9, 2: 64.5, 4: 107, 8: 156, 16: 220, 32: 276, 64: 347}   # issue 32: 8xH200 all-reduce busbw
+PUBLISHED = {1: 39.9, 2: 64.5, 4: 107, 8: 156, 16: 220, 32: 276, 64: 347}   # the 8xH200 all-reduce busbw comm.py holds
 
 
 def test_interpolation_hits_the_published_points_and_logs_between():
@@ -212,6 +212,21 @@ def _args(*argv):
     p.add_argument("--preset", default="gpt3")
     add_predict_arguments(p)
     return p.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("interconnect", sorted(comm.INTERCONNECTS))
+def test_every_source_the_prediction_prints_is_public(capsys, interconnect):
+    """Each anchor's source and each table's is a repository path or a URL
+    (github.com/...), and the output cites no issue of ours."""
+    import re
+    cfg, schedule = preset("gpt3"), SCHEDULES["megatron"]
+    rep = predict_command(cfg, schedule.layout(1, 8), schedule,
+                          _args("--calibration", STANDIN, "--interconnect", interconnect))
+    out = capsys.readouterr().out
+    assert rep["anchors"] and all(re.match(r"(https://)?github\.com/\S+/\S+", src) for *_, src in rep["anchors"])
+    for kind, table in rep["interconnect"]["tables"].items():
+        assert "github.com/" in table["source"], (kind, table["source"])
+    assert not re.search(r"(?<!#)\bissues? #?\d", out.replace("github.com/NVIDIA/nccl-tests/issues/", "")), out
 
 
 def test_command_output_on_the_standin_calibration(tmp_path, capsys):

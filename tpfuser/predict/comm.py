@@ -33,7 +33,8 @@ KiB, MiB = 1 << 10, 1 << 20
 # 1 to 64 MiB, as quoted in tpfuser issue 32 (close to 52 us + size / 227 GB/s).
 _H200_ALLREDUCE = ((1 * MiB, 39.9), (2 * MiB, 64.5), (4 * MiB, 107.0), (8 * MiB, 156.0),
                    (16 * MiB, 220.0), (32 * MiB, 276.0), (64 * MiB, 347.0))
-_H200_SOURCE = "published nccl-tests all_reduce_perf on 8xH200, 1-64 MiB, as quoted in tpfuser issue 32"
+_H200_SOURCE = ("nccl-tests all_reduce_perf on 8xH200, 1-64 MiB (a public run of it: "
+                "github.com/NVIDIA/nccl-tests/issues/272; these figures not checked against it)")
 
 
 def _doubling(first: int, busbw: tuple[float, ...]) -> tuple[tuple[int, float], ...]:

@@ -23,11 +23,11 @@ from tpfuser.predict.timeline import COMM, COMM_SLOWDOWN_BESIDE_COMPUTE, SLOWDOW
 GOALS = {("gpt3", 8): {"forward": 1.9, "backward": 4.0}}
 # One GPT-3 layer (12288 wide, 96 heads, 2048 tokens, bf16) on 8xH100, ms (issue 32's anchors).
 ANCHORS = {("gpt3", 8): [
-    ("TransformerEngine, TP+SP, overlapped", 2.26, 4.42, "issue 32"),
-    ("TransformerEngine, TP", 2.39, 4.46, "issue 32"),
-    ("TransformerEngine, TP+SP, no overlap", 2.5, 4.58, "issue 32"),
-    ("nvFuser, TP+SP", 2.1, 5.27, "NVIDIA/Fuser issues #5560, #5667"),
-    ("nvFuser, TP (backward)", None, 4.37, "NVIDIA/Fuser PR #4873"),
+    ("TransformerEngine, TP+SP, overlapped", 2.26, 4.42, "github.com/NVIDIA/Fuser/pull/3546, /pull/3591"),
+    ("TransformerEngine, TP", 2.39, 4.46, "github.com/NVIDIA/Fuser/pull/3546"),
+    ("TransformerEngine, TP+SP, no overlap", 2.5, 4.58, "github.com/NVIDIA/Fuser/pull/5560, /pull/5667"),
+    ("nvFuser, TP+SP", 2.1, 5.27, "github.com/NVIDIA/Fuser/pull/5560, /pull/5667"),
+    ("nvFuser, TP (backward)", None, 4.37, "github.com/NVIDIA/Fuser/pull/4873"),
 ]}
 PASSES = ("forward", "backward")
 
