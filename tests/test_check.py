@@ -356,8 +356,8 @@ def test_check_hands_split_unit_axes_to_both_its_blocks(monkeypatch):
 
 def test_no_collectives_planned_over_a_team_of_one_without_unit_splits():
     """Without the unit-axis splits (the default), nvFuser posts nothing over
-    tp == 1, and the plan it is compared with says so (on the H200 at 2x1, 2026-12-03: 0/0);
-    with the splits it plans tp's all-reduces; with tp > 1 the plan is unchanged."""
+    tp == 1 (seen on the GPU at 2x1: 0/0), and the plan it is compared with says
+    so; with the splits it plans tp's all-reduces; with tp > 1 the plan is unchanged."""
     from tpfuser.verify.check import compare_with_plan
     from tpfuser.parallel.schedules import SCHEDULES
     cfg = preset("tiny", dtype="fp32", dropout=0.1)

@@ -106,7 +106,7 @@ def test_sp_backward_posted_in_nvfusers_order_matches_the_plan_in_any_order():
 
 
 def test_error_message_keeps_nested_segment_errors_and_drops_every_backtrace():
-    """The one-head failure on the H200 (2026-12-03; docs/history.md) was cut to
+    """The one-head failure on the GPU (docs/history.md) was cut to
     'executor_utils.cpp:511' by error_line; the lines after it name the failing input."""
     from tpfuser.verify.commlog import error_message
     e = RuntimeError("\n".join([

@@ -11,8 +11,8 @@ g_q, g_k, g_v [b, h, s, d]. Each rank compares with torch.
 
 Forms (default: all):
   slice   q, k, v as slices of the (b, s, h, 3d) view, g_qkv by cat: the block's
-          form. With h == tp (one head per rank) it fails in 0.2.36 (on the
-          H200, 2026-12-03; docs/history.md): the slice is a view whose size-1
+          form. With h == tp (one head per rank) it fails in 0.2.36 (on an
+          H200, docs/history.md): the slice is a view whose size-1
           head axis the stride validator skips,
           "Expected (stride)==(expected_stride_if_contiguous). Found 24 vs 8".
   select  q, k, v by select on the 3-axis of the (b, s, h, 3, d) view (SelectOp

@@ -76,7 +76,7 @@ for which in ("nanogpt", "gpt3", "nanogpt_train"):
                          f"{p['kernel_ms_per_call']:.3f} ms, idle {p['idle_ms_per_call']:.3f} ms"))
     for name, why in b.get("failed", {}).items():
         rows.append((f"bench {which} {name}", f"FAILED: {why[:150]}"))
-    if b.get("warmup_s"):   # (reports since the third session of 2026-12-04)
+    if b.get("warmup_s"):   # (earlier reports lack it)
         w = b["warmup_s"]
         rows.append((f"bench {which} warm-up", f"{w['total_s']:.1f} s (building {w['built_s']:.1f}; "
                      + ", ".join(f"{n} {t:.1f}" for n, t in w["each_s"].items()) + ")"))

@@ -191,7 +191,7 @@ def memory_order(t: Tensor, cfg: BlockConfig) -> tuple[int, ...] | None:
     reads q, k, v and writes its output with the heads inside the sequence, so
     the forward writes them that way and the backward reads them that way:
     ATen copies none of them on either side (the five strided copies a nanogpt
-    bf16 training step made before, profiled on the H200, 2026-12-03; docs/history.md)."""
+    bf16 training step made before, profiled on an H200: docs/history.md)."""
     if t.flash_layout and cfg.dtype == "bf16":
         return tuple(t.dims.index(dim) for dim in FLASH_MEMORY)
     return None
