@@ -12,7 +12,7 @@ What is checked, to stay free of false alarms:
   `tpfuser.a.b...` in full: the name resolves;
 - `word.name_with_underscore` (or `word.UPPER`, `word._private`) where word is
   none of ours, nothing importable, no variable-like word and no tensor of the
-  block: a module that no longer exists (`fusion.build_backward`).
+  block: a module that no longer exists (`old_module.build_it`).
 Not checked: NOTES*.md, docs/history.md and results/ (the lab notebook and the
 history name what existed then), fenced code in Markdown (dotted names there
 are variables), string literals that are not help texts.
@@ -56,7 +56,7 @@ DATED = re.compile(r"\b(?:runs? \d+\b|20\d\d-\d\d-\d\d\b|(?<!upstream )issues? \
 def _sources(root: pathlib.Path) -> list[pathlib.Path]:
     files = [*root.glob("tpfuser/**/*.py"), *root.glob("tools/**/*.py"), *root.glob("tests/*.py"),
              *root.glob("tools/**/*.sh"), *root.glob("*.md"), *root.glob("docs/*.md"), *root.glob("tools/**/*.md"),
-             *root.glob("tests/data/*.md"), *root.glob("tpfuser/**/*.c"),
+             *root.glob("tests/data/*.md"), *root.glob("tests/data/*.py"), *root.glob("tpfuser/**/*.c"),
              *[p for p in (root / "Makefile",) if p.exists()]]
     return sorted(p for p in files if str(p.relative_to(root)) not in (*HISTORY, SELF))
 
@@ -245,14 +245,14 @@ def test_stale_names_and_dates_are_found(tmp_path, monkeypatch):
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_ops.py").write_text("def test_dropout():\n    pass\n")
     (tmp_path / "tpfuser" / "stale.py").write_text(
-        '"""Built by fusion.build_backward (fusion.py); see tpfuser/plan.py, ops.dropout and ops.gone,\n'
+        '"""Built by old_module.build_it (old_module.py); see tpfuser/gone.py, ops.dropout and ops.gone,\n'
         'tests/test_ops.py::test_dropout and tests/test_ops.py::test_gone; args.json is a value."""\n'
         "import argparse\n\n\n"
         "def f(p):\n"
         "    p.add_argument('--x', help='as on the H200 (run 58, 2026-12-07)')   # cf. tools/none.sh\n")
     monkeypatch.setattr(me, "ROOT", tmp_path)
     assert sorted(me.stale_references(tmp_path)) == sorted([
-        "tpfuser/stale.py:1: tpfuser/plan.py", "tpfuser/stale.py:1: tests/test_ops.py::test_gone",
-        "tpfuser/stale.py:1: fusion.py", "tpfuser/stale.py:1: fusion.build_backward", "tpfuser/stale.py:1: ops.gone",
+        "tpfuser/stale.py:1: tpfuser/gone.py", "tpfuser/stale.py:1: tests/test_ops.py::test_gone",
+        "tpfuser/stale.py:1: old_module.py", "tpfuser/stale.py:1: old_module.build_it", "tpfuser/stale.py:1: ops.gone",
         "tpfuser/stale.py:7: tools/none.sh"])
     assert me.dated_words(tmp_path) == ["tpfuser/stale.py:7: run 58", "tpfuser/stale.py:7: 2026-12-07"]
