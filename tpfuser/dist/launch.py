@@ -316,8 +316,7 @@ def shared_gpu_phases(cfg, layout: Layout) -> dict[str, int]:
     (weights, gradients, activations; in bf16 its eager bf16 run too) beside every
     rank's CUDA context; "block", every rank's shards, gradients, expected slices,
     float64 copies of its largest gradient pair and saved activations (ten times
-    over: fitted to the allocator peaks measured on an H100, gpt3 1x8 7.3 GiB a
-    rank, 1x8 SP 5.7; NOTES.md)."""
+    over: fitted to an H100's allocator peaks, gpt3 1x8 7.3 GiB a rank, 1x8 SP 5.7)."""
     shapes = param_shapes(cfg)
     total = sum(math.prod(s) for s in shapes.values())
     locals_ = [math.prod(local_shape(s, PARAM_PLACEMENTS[n], layout)) for n, s in shapes.items()]
