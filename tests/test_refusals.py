@@ -173,8 +173,8 @@ CASES = [
 
 # Also run end to end, each in a fresh process: the refusal of a launch without
 # CUDA (nvFuser imported there would abort the process at exit), argparse's own
-# exit, a named pipe (a blocking open would hang), the benchmark's refusal.
-END_TO_END = ["torchrun_show_no_cuda", "no_command", "plan_json_fifo", "bench_needs_gpus"]
+# exit, a named pipe (a blocking open would hang).
+END_TO_END = ["torchrun_show_no_cuda", "no_command", "plan_json_fifo"]
 
 
 def _fill(arg: str, tmp) -> str:
