@@ -31,7 +31,8 @@ def test_compare_with_the_whole_plan():
     assert not compare_collectives(seen, collectives(cfg, Layout(1, 2)), [0, 1])["matches"]          # one missing
     assert not compare_collectives(both + seen, collectives(cfg, Layout(1, 2)), [0, 1])["matches"]   # one too many
     assert not compare_collectives(both, collectives(cfg, Layout(1, 2, sp=True)), [0, 1])["matches"]  # SP gathers first
-    assert not compare_collectives(both, collectives(cfg, Layout(2, 2)), [2, 3])["matches"]   # another team
+    assert not compare_collectives(both, collectives(cfg, Layout(2, 2)), [2, 3])["matches"]   # another mesh
+    assert not compare_collectives(both, collectives(cfg, Layout(1, 2)), [2, 3])["matches"]   # over another team
 
 
 def test_sp_plan_matches_gathers_and_reduce_scatters_by_elements():
