@@ -181,15 +181,18 @@ def test_host_column_only_when_every_row_has_it():
     assert f"{0.125 + list(rep['results']).index('eager'):.3f}" in eager.split()
 
 
-def test_a_sample_times_the_gpu_and_the_host_apart():
-    """sample's host figure is the time to issue the calls, its GPU figure the
-    events' (faked here: 10 ms between them whatever the host does)."""
-    import time
-    from tpfuser.bench.measure import sample
+def test_a_sample_times_the_gpu_and_the_host_apart(monkeypatch):
+    """sample's host figure is the time to issue the calls (a host clock faked
+    here: each call takes 4 ms of it), its GPU figure the events' (10 ms between
+    them whatever the host does)."""
+    import types
+    import tpfuser.bench.measure as measure
+    clock = [100.0]
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
     class Event:
         def record(self):
-            self.at = time.perf_counter()
+            pass
 
         def synchronize(self):
             pass
@@ -197,8 +200,10 @@ def test_a_sample_times_the_gpu_and_the_host_apart():
         def elapsed_time(self, other):
             return 10.0
 
-    gpu_ms, host_ms = sample(lambda: time.sleep(0.004), Event(), Event(), calls=2)
-    assert gpu_ms == 5.0 and 3.5 < host_ms < 20
+    def call():
+        clock[0] += 0.004
+    gpu_ms, host_ms = measure.sample(call, Event(), Event(), calls=2)
+    assert gpu_ms == 5.0 and host_ms == pytest.approx(4.0)
 
 
 def test_the_commit_says_when_the_files_are_not_heads(tmp_path):
