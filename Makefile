@@ -7,8 +7,10 @@ VENV := .venv
 run: $(VENV)/.ready
 	$(VENV)/bin/tpfuser main
 
+# Two pytest processes, one per core, each test file whole in one of them (its fixtures run once,
+# its tests in order): the suite is CPU-bound (torch imports, fusion builds, ranks started).
 test: $(VENV)/.ready
-	$(VENV)/bin/python -m pytest -q -rs
+	$(VENV)/bin/python -m pytest -q -rs -n 2 --dist loadfile
 
 $(VENV)/.ready: pyproject.toml tpfuser/__init__.py
 	@command -v $(PYTHON312) >/dev/null || { echo "need $(PYTHON312): pyenv install 3.12.1 (selected by .python-version)"; exit 1; }

@@ -62,7 +62,7 @@ def test_backward_simulation_is_sensitive():
 
 
 def saved_shapes(cfg):
-    """What the training forward saves, name -> global shape (tensors.saved; was fusion.saved_shapes)."""
+    """What the training forward saves, name -> global shape (tensors.saved)."""
     from tpfuser.block.tensors import saved
     return {t.name: list(t.shape(cfg)) for t in saved(cfg)}
 
@@ -200,7 +200,7 @@ def test_backward_subset_keeps_only_what_its_outputs_need():
 def test_backward_reductions_each_reduce_one_axis():
     """The sums over the rows (b, s) go one axis at a time: nvFuser 0.2.36 lowers a
     sum over a device-split axis and another axis at once to a wrong-sized copy
-    (fusion._sum_rows). Every reduction of the backward reduces a single axis."""
+    (ops.sum_rows). Every reduction of the backward reduces a single axis."""
     import re
     from tpfuser.parallel.schedule import build_backward
     from tests.test_fusion import schedules_for
@@ -217,7 +217,8 @@ def test_backward_reductions_each_reduce_one_axis():
 def test_backward_reads_the_saved_heads_as_the_forward_writes_them(dtype):
     """In bf16 the backward declares q, k, v and the attention output in flash
     attention's layout (b, s, h, d) (the forward writes them so: checked on the
-    GPU), every other input contiguous; runtime.laid_out hands them over uncopied."""
+    GPU), every other input contiguous; runtime/block.py's laid_out hands them
+    over uncopied."""
     from tpfuser.parallel.schedule import build_backward
     from tpfuser.runtime.block import laid_out
     from tests.test_fusion import schedules_for

@@ -1,38 +1,65 @@
-"""The benchmark's JSON schema and its plot (CPU: on copies of H200 reports in
-tests/data, one of each schema the reports have had; tests/data/README.md)."""
+"""The benchmark's JSON schema, its table and its plot (CPU), on reports made
+here in the schema bench.run writes (no measured report is read)."""
 import copy
-import glob
 import json
-import os
 
 import pytest
 import torch
 
-from tpfuser.bench.report import format_table, validate_report
-
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
-REPORTS = sorted(glob.glob(os.path.join(DATA, "**", "bench_*.json"), recursive=True))
+from tpfuser.bench.report import add_ratios, format_table, validate_report
 
 
-def test_there_are_committed_reports():
-    assert REPORTS
+def _row(ms: float, **extra) -> dict:
+    return {"median_ms": ms, "min_ms": 0.9 * ms, "max_ms": 1.2 * ms, "runs": 10, "tflops": 100.0 / ms,
+            "fraction_of_matmul_rate": 0.2 / ms, **extra}
 
 
-@pytest.mark.parametrize("path", REPORTS, ids=[os.path.relpath(p, DATA) for p in REPORTS])
-def test_committed_reports_follow_the_schema(path):
-    rep = validate_report(json.load(open(path)))
-    if "eager" in rep["results"]:   # (--impl may leave it out: run 37's gpt3)
-        assert rep["results"]["eager"]["ratio_to_eager"] == 1.0
-    else:
-        assert not any("ratio_to_eager" in r for r in rep["results"].values())
-    extra = (len(rep.get("failed", {})) + sum("profile" in r for r in rep["results"].values())
-             + bool(rep.get("best_peer")))   # the line naming the fastest peer
-    assert format_table(rep).count("\n") == len(rep["results"]) + 1 + extra
+def _report(medians=(("eager", 2.0), ("compile", 1.5), ("nvfuser", 1.0)), **extra) -> dict:
+    """A bench report (bench.run's keys) with made-up figures: a row per (name, median ms)."""
+    rows = {name: _row(ms) for name, ms in medians}
+    rep = {"preset": "tiny", "config": {"batch": 4, "seq": 16, "n_embd": 64, "n_head": 8, "dropout": 0.1,
+                                        "dtype": "bf16"},
+           "pass": "forward", "mesh": "1x1", "gpu": "MADE UP", "torch": torch.__version__, "timing": "made up here",
+           "matmul_tflops_measured": 500.0, "matmul_gflop": 1.0, "compute_floor_ms": 0.002, "results": rows, **extra}
+    rep["best_peer"] = add_ratios(rows)
+    return rep
+
+
+PROFILE = {"kernels_per_call": 3.0, "kernel_ms_per_call": 0.5, "idle_ms_per_call": 0.1,
+           "top_kernels_ms_per_call": [["gemm", 0.3], ["softmax", 0.1]]}
+
+
+@pytest.mark.parametrize("extra, extra_lines", [
+    ({}, 1),                                                              # the fastest peer's line
+    ({"failed": {"nvfuser-graph": "RuntimeError: out of memory"}}, 2),   # and the failed one's
+    ({"profile": True}, 2),                                               # and the profiled row's
+], ids=["plain", "a failed impl", "a profile"])
+def test_a_report_follows_the_schema_and_prints_a_line_a_row(extra, extra_lines):
+    rep = _report(**{k: v for k, v in extra.items() if k != "profile"})
+    if extra.get("profile"):
+        rep["results"]["nvfuser"]["profile"] = PROFILE
+    rep = validate_report(rep)
+    assert rep["results"]["eager"]["ratio_to_eager"] == 1.0 and rep["best_peer"] == "compile"
+    table = format_table(rep).splitlines()
+    assert len(table) == 2 + len(rep["results"]) + extra_lines
+    assert table[1] == "vs peer: to compile, the fastest peer"
+    nvfuser = next(line for line in table if line.startswith("nvfuser "))
+    assert nvfuser.split()[1:4] == ["1.000", "0.900", "1.200"] and nvfuser.split()[-2:] == ["0.50", "0.67"]
+
+
+def test_a_report_without_eager_has_no_ratio_to_it():
+    rep = validate_report(_report(medians=(("compile", 1.5), ("nvfuser", 1.0))))
+    assert not any("ratio_to_eager" in r for r in rep["results"].values())
+
+
+def test_the_matmul_key_of_older_reports_is_read():
+    rep = _report()
+    rep["forward_matmul_gflop"] = rep.pop("matmul_gflop")
+    assert validate_report(rep)["matmul_gflop"] == 1.0
 
 
 def test_ratios_to_eager_and_the_fastest_peer_and_the_graph_columns():
-    from tpfuser.bench.report import add_ratios
-    rep = copy.deepcopy(json.load(open(REPORTS[0])))
+    rep = _report()
     rows = {name: {**r, "peak_mib_above_baseline": 1.0, "saved_activation_mib": 2.0} for name, r in rep["results"].items()}
     rows["nvfuser-graph"] = {**rows["eager"], "median_ms": rows["eager"]["median_ms"] / 4, "graph_pool_mib": 3.0,
                              "reserved_mib": 4.0}
@@ -53,7 +80,6 @@ def test_ratios_to_eager_and_the_fastest_peer_and_the_graph_columns():
 def test_the_work_timed_alone_is_never_the_peer():
     """gemms and gemms+attention are parts of the block's work, faster than any
     whole block: were they peers, every ratio to the fastest peer would be theirs."""
-    from tpfuser.bench.report import add_ratios
     rows = {"eager": {"median_ms": 2.0}, "nvfuser-graph": {"median_ms": 1.5},
             "gemms": {"median_ms": 1.0}, "gemms+attention": {"median_ms": 1.2}}
     assert add_ratios(rows) == "eager"
@@ -71,7 +97,7 @@ def test_the_work_timed_alone_is_refused_where_it_is_not_the_blocks():
 
 
 def test_schema_errors_name_the_key():
-    rep = json.load(open(REPORTS[0]))
+    rep = _report()
     broken = copy.deepcopy(rep)
     del broken["compute_floor_ms"]
     with pytest.raises(ValueError, match="report: missing key 'compute_floor_ms'"):
@@ -86,16 +112,19 @@ def test_schema_errors_name_the_key():
 def test_plot_writes_a_png(tmp_path):
     from tpfuser.bench.plot import main
     out = tmp_path / "bench.png"
-    assert main([str(out), *REPORTS[:2]]) == 0
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    paths[0].write_text(json.dumps(_report()))
+    paths[1].write_text(json.dumps(_report(preset="nanogpt")))
+    assert main([str(out), *map(str, paths)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
 def test_plot_against_tp_when_the_reports_span_meshes(tmp_path, monkeypatch):
-    """Reports of several tp (made here from a committed one) give a time-against-tp plot."""
+    """Reports of several tp give a time-against-tp plot."""
     import matplotlib.image
     import tpfuser.bench.plot
     from tpfuser.bench.plot import main
-    rep = json.load(open(REPORTS[0]))
+    rep = _report()
     paths = []
     for tp in (1, 2, 4):
         r = copy.deepcopy(rep)
@@ -116,16 +145,16 @@ def test_plot_against_tp_when_the_reports_span_meshes(tmp_path, monkeypatch):
 
 
 def test_a_shared_gpu_report_says_its_timings_are_not_speed_figures():
-    rep = json.load(open(os.path.join(DATA, "2026-12-03-h200", "run8", "bench_nanogpt.json")))
+    rep = _report(gpus_shared=0)
     assert "not speed figures" not in format_table(rep)
     rep["gpus_shared"] = 1
     assert "ranks shared 1 GPU(s) (--share-gpu): these timings are not speed figures" in format_table(rep)
 
 
 def test_a_report_says_where_it_came_from(monkeypatch):
-    """Run 21's bench JSON had the GPU and torch but no date, nvFuser version,
-    command or commit: every report now carries meshcheck's environment (and
-    the schedule it ran under, which holds the q/k/v split)."""
+    """Every report carries where it came from (verify.meshes.environment):
+    date, nvFuser version, command, commit, and the schedule it ran under
+    (which holds the q/k/v split)."""
     from tpfuser.bench.cli import bench_command
     from tpfuser.parallel.schedules import SCHEDULES
     from tpfuser.verify.meshes import environment
@@ -140,27 +169,30 @@ def test_a_report_says_where_it_came_from(monkeypatch):
 
 
 def test_host_column_only_when_every_row_has_it():
-    """The host time to issue a call (reports since the seventh session) is a
-    column where every row carries it; older reports print as before."""
-    rep = copy.deepcopy(json.load(open(REPORTS[0])))
+    """The host time to issue a call is a column where every row carries it;
+    reports without it print as before."""
+    rep = _report()
     assert "host ms" not in format_table(rep)
     for i, r in enumerate(rep["results"].values()):
         r["host_ms"] = 0.125 + i
     table = format_table(rep)
-    assert "host ms" in table.splitlines()[1]
+    assert "host ms" in next(line for line in table.splitlines() if line.startswith("impl "))
     eager = next(line for line in table.splitlines() if line.startswith("eager "))
     assert f"{0.125 + list(rep['results']).index('eager'):.3f}" in eager.split()
 
 
-def test_a_sample_times_the_gpu_and_the_host_apart():
-    """sample's host figure is the time to issue the calls, its GPU figure the
-    events' (faked here: 10 ms between them whatever the host does)."""
-    import time
-    from tpfuser.bench.measure import sample
+def test_a_sample_times_the_gpu_and_the_host_apart(monkeypatch):
+    """sample's host figure is the time to issue the calls (a host clock faked
+    here: each call takes 4 ms of it), its GPU figure the events' (10 ms between
+    them whatever the host does)."""
+    import types
+    import tpfuser.bench.measure as measure
+    clock = [100.0]
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
     class Event:
         def record(self):
-            self.at = time.perf_counter()
+            pass
 
         def synchronize(self):
             pass
@@ -168,8 +200,10 @@ def test_a_sample_times_the_gpu_and_the_host_apart():
         def elapsed_time(self, other):
             return 10.0
 
-    gpu_ms, host_ms = sample(lambda: time.sleep(0.004), Event(), Event(), calls=2)
-    assert gpu_ms == 5.0 and 3.5 < host_ms < 20
+    def call():
+        clock[0] += 0.004
+    gpu_ms, host_ms = measure.sample(call, Event(), Event(), calls=2)
+    assert gpu_ms == 5.0 and host_ms == pytest.approx(4.0)
 
 
 def test_the_commit_says_when_the_files_are_not_heads(tmp_path):
@@ -321,7 +355,7 @@ def test_startup_runs_an_nvfuser_impl_under_its_own_schedule(monkeypatch):
 def test_the_table_says_the_warm_up_and_keeps_long_names_aligned():
     """A row named impl@schedule is longer than the column was; the warm-up
     (building, then each implementation's warm-up calls) gets a line."""
-    rep = copy.deepcopy(json.load(open(REPORTS[0])))
+    rep = _report()
     long = "nvfuser-graph@megatron-cut-linears"
     rep["results"][long] = dict(next(iter(rep["results"].values())))
     rep["warmup_s"] = {"built_s": 3.25, "each_s": {long: 9.5, "eager": 0.5}, "total_s": 13.25}

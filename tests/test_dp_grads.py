@@ -1,8 +1,8 @@
 """The parameter gradients' sum over dp, after the backward fusion
 (ShardedBlock.sum_over_dp, world.dp_group), on the CPU: four gloo ranks of
 a 2x2 layout, each summing with the rank holding its tp shard in the other dp
-row; and the benchmark's per-sample slowest rank (bench.run._slowest_rank) of
-every rank's samples (bench.run._every_rank)."""
+row; and the benchmark's per-sample slowest rank (bench/run.py's _slowest_rank) of
+every rank's samples (bench/run.py's _every_rank)."""
 import os
 import tempfile
 

@@ -1,4 +1,4 @@
-"""Dropout masks that do not depend on the sharding (tpfuser/dropout.py):
+"""Dropout masks that do not depend on the sharding (tpfuser/block/dropout.py):
 the hash, its statistics, and that every rank's slice assembles into the
 unsharded mask, with the very scalars the runtime passes to the fusion."""
 import math

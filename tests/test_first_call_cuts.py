@@ -1,4 +1,4 @@
-"""The cuts that spare nvFuser's segmenter (issue 29, runs 46-47): each
+"""The cuts that spare nvFuser's segmenter (NOTES.md, "The first call"): each
 dropout mask a fusion of its own, each LayerNorm's backward two fusions, and
 under sequence parallelism the reduce-scattered partial sums that cross a cut
 declared sequence-major (no GPU needed: the fusions' definitions)."""
@@ -17,7 +17,7 @@ from tpfuser.parallel.schedules import SCHEDULES, default_schedule
                                           ("fp32", ["resid_attn_keep", "resid_mlp_keep", "attn_keep"])])
 def test_each_mask_is_a_fusion_of_its_own(dtype, masks):
     """Two masks in one fusion are two unconnected graphs, which nvFuser only
-    segments (1.6-2.0 s of a first call, run 46): one fusion each, first."""
+    segments (1.6-2.0 s of a first call, NOTES.md): one fusion each, first."""
     cfg = preset("tiny", dtype=dtype)
     for schedule in ("megatron", "megatron-cut-linears", "megatron-sp-cut-linears"):
         layout = SCHEDULES[schedule].layout(1, 1)
@@ -46,7 +46,7 @@ def test_the_default_schedules_cut_at_every_linear():
 
 def test_sequence_major_where_nvfuser_reduce_scatters(monkeypatch):
     """Under SP a partial sum made by nvFuser's reduce-scatter leaves its fusion
-    sequence-major (run 46: the next one refused its strides); the chunked
+    sequence-major (on the GPU the next one refused its strides); the chunked
     linears' come from torch, contiguous. The fusion that reads one is told so."""
     assert SCHEDULES["megatron-sp-cut-linears"].form().seq_major == set(PARTIAL_SUMS)
     assert SCHEDULES["megatron-sp-overlap"].form().seq_major == set()   # every linear chunked

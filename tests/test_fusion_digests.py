@@ -1,12 +1,12 @@
 """Every fusion's printed math, digested (tools/fusion_digests.py), equals the
-committed record: a change meant to leave the fusions alone (issue 14's
-redesign) shows it did. A change of the fusions regenerates the record
+committed record: a change meant to leave the fusions alone (a redesign)
+shows it did. A change of the fusions regenerates the record
 (`python3 tools/fusion_digests.py > tests/data/golden/fusion_digests.json`, and
 for the single-fusion family `python3 tools/fusion_digests.py --schedules
 megatron-whole,megatron-sp-whole > tests/data/golden/fusion_digests_whole.json`)
 and says why.
 
-Three records, one per family of schedules: the default since run 48
+Three records, one per family of schedules: the default
 (megatron-cut-linears and its -sp: each mask a fusion of its own, the passes
 cut at every linear and in each LayerNorm's backward; `python3
 tools/fusion_digests.py --schedules megatron-cut-linears,megatron-sp-cut-linears

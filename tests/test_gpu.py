@@ -95,15 +95,12 @@ def test_flash_streams_differ_between_tp_ranks():
 @pytest.mark.parametrize("split_unit_axes", [False, True], ids=["unsplit", "split"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_block_with_and_without_unit_axis_splits_matches_reference(dtype, split_unit_axes, record):
-    """Without splits over a mesh axis of one device (the default since
-    2026-12-03: no collective over a team of one) and with them, the block
-    passes the checks at 1x1: forward and gradients within bounds, masks bit
-    for bit, graph replays equal to the called block. On the H200 (2026-12-03;
-    docs/history.md) bf16 with the splits replayed unequal to the call
-    (forward and training step), after the unsplit case in the same process,
-    as two graph tests had earlier that day after other work; without the
-    splits it has not (in two runs). Not explained (NOTES.md): in that case
-    unequal replays are an expected failure, its bounds and masks still asserted."""
+    """Without splits over a mesh axis of one device (the default: no
+    collective over a team of one) and with them, the block passes the checks
+    at 1x1: forward and gradients within bounds, masks bit for bit, graph
+    replays equal to the called block, in every configuration (bf16 with the
+    splits once replayed unequal on the H200, after other work in the same
+    process: NOTES-history.md; should it again, this fails)."""
     from tpfuser.parallel.schedules import SCHEDULES
     from tpfuser.verify.check import Case, check
     result = check(Case(preset("tiny", dtype=dtype, dropout=0.1), Layout(1, 1)), preset_name="tiny",
@@ -112,24 +109,23 @@ def test_block_with_and_without_unit_axis_splits_matches_reference(dtype, split_
     fwd, bwd = result.forward, result.backward
     assert fwd["rel_err"] <= fwd["tolerance"] and not bwd["over_bound"], result.as_dict()
     assert not any(fwd["mask_mismatches"].values()) and not any(bwd["mask_mismatches"].values())
-    if dtype == "bf16" and split_unit_axes and not all(result.graphs.values()):
-        pytest.xfail(f"as on the H200 (2026-12-03): bf16 replays with the unit-axis splits unequal to the call: "
-                    f"{result.graphs}")
     assert all(result.graphs.values()), result.graphs
     assert result.ok
 
 
 @pytest.mark.parametrize("tp, rank", [(1, 0), (2, 1)])
 def test_load_from_a_cuda_state_cuts_on_the_device_and_copies(tp, rank):
-    """A state_dict already on the GPU in the block's dtype: the shards are the
-    fusion's slices of it, on the GPU, and copies (a later change to the state,
-    e.g. an optimizer's step on the reference, does not reach the block)."""
-    from tpfuser.parallel.shard import fusion_params, rank_params
+    """A state_dict already on the GPU in the block's dtype: the shards are
+    Megatron-LM's slices of it (cut by hand: tests/hand_shards.py), on the GPU,
+    and copies (a later change to the state, e.g. an optimizer's step on the
+    reference, does not reach the block)."""
+    from tests.hand_shards import megatron_shard
+    from tpfuser.block.tensors import PARAM_NAMES
     from tpfuser.runtime.block import ShardedBlock
     from tpfuser.verify.reference import make_block
     cfg = preset("tiny", dtype="bf16")
     state = {k: v.to("cuda", torch.bfloat16) for k, v in make_block(cfg).state_dict().items()}
-    want = rank_params(fusion_params({k: v.cpu() for k, v in state.items()}, cfg), Layout(1, tp), rank)
+    want = [megatron_shard({k: v.cpu() for k, v in state.items()}, n, cfg, tp, rank) for n in PARAM_NAMES]
     block = ShardedBlock(cfg, Layout(1, tp), rank).load(state)
     storages = {v.untyped_storage().data_ptr() for v in state.values()}
     for got, w in zip(block.params, want, strict=True):

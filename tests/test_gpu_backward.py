@@ -65,7 +65,7 @@ def test_sgd_trajectory_matches_reference(mesh, record):
     worst = max(abs(f - r) / abs(r) for r, f in losses)
     record(losses=losses, worst_rel_diff=worst)
     assert worst <= 1e-4, losses
-    # The trajectory is worth comparing: the loss moves (by 7% on the H200, 2026-12-03) far beyond 1e-4.
+    # The trajectory is worth comparing: the loss moves (by 7% on an H200) far beyond 1e-4.
     assert losses[-1][0] < 0.97 * losses[0][0], losses
 
 
@@ -108,8 +108,8 @@ def test_module_eval_mode_is_the_block_without_dropout(mesh):
 def test_bf16_step_lays_the_heads_out_for_flash_attention_and_copies_nothing(mesh, record):
     """The forward writes q, k, v and attention's output as flash attention
     holds them, (b, s, h, d) in memory; the backward takes them as they are; a
-    training step launches no copy kernel (before, on the H200, 2026-12-03: 5
-    strided copies a step, 0.057 ms of nanogpt's 0.94; inferred: four by backward_inputs'
+    training step launches no copy kernel (before, on an H200: 5 strided copies
+    a step, 0.057 ms of nanogpt's 0.94; inferred: four by backward_inputs'
     .contiguous() of these, one by flash attention's backward)."""
     from torch.profiler import ProfilerActivity, profile
     from tpfuser.runtime.block import ShardedBlock

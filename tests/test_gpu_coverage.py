@@ -1,12 +1,9 @@
-"""tools/gpu_coverage.py: which GPU tests a committed JUnit file says passed (the
-H200 runs' JUnit files, copied to tests/data: tests/data/README.md)."""
-import os
+"""tools/gpu_coverage.py: which GPU tests a JUnit file says passed, on JUnit
+files and test files made here (no committed run is read)."""
 import sys
 
 sys.path.insert(0, "tools")
 import gpu_coverage  # noqa: E402
-
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
 JUNIT = """<testsuites><testsuite>
 <testcase classname="tests.test_gpu" name="test_a[fp32]" />
@@ -26,12 +23,26 @@ def test_only_passed_cases_count_and_since_drops_earlier_runs(tmp_path):
     assert gpu_coverage.passed_in(str(tmp_path), since=3) == {"tests/test_gpu.py::test_a[fp32]": ["run10"]}
 
 
-def test_the_committed_runs_name_real_gpu_tests():
-    ids = set(gpu_coverage.gpu_test_ids())
-    passed = gpu_coverage.passed_in(DATA)
-    assert len(ids) > 30 and passed
-    assert set(passed) <= ids        # a renamed or removed test would linger here as covered
-    assert "tests/test_gpu_graphs.py::test_tp_block_graphs_train_as_the_called_module[bf16]" in passed
+def test_the_gpu_tests_are_collected_by_their_mark(tmp_path):
+    (tmp_path / "test_made.py").write_text("import pytest\n\n\n@pytest.mark.gpu\ndef test_on_gpu():\n    pass\n\n\n"
+                                           "def test_on_cpu():\n    pass\n")
+    ids = gpu_coverage.gpu_test_ids([str(tmp_path / "test_made.py")])
+    assert len(ids) == 1 and ids[0].endswith("test_made.py::test_on_gpu")
+
+
+def test_the_report_names_what_passed_and_what_never_did(tmp_path, monkeypatch, capsys):
+    """Against the GPU tests there are now: one a run passed (named with its
+    runs), one none did (the exit status says the suite is not shown to pass);
+    a test a run passed that no longer exists is not counted."""
+    for run in ("run3", "run7"):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "gpu_tests.xml").write_text(JUNIT)
+    monkeypatch.setattr(gpu_coverage, "gpu_test_ids", lambda: ["tests/test_gpu.py::test_a[fp32]",
+                                                               "tests/test_gpu.py::test_e"])
+    assert gpu_coverage.main([str(tmp_path)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["passed  tests/test_gpu.py::test_a[fp32]  (run3, run7)", "NOT YET tests/test_gpu.py::test_e",
+                   "1 of 2 GPU tests passed in a committed run from run0 on"]
 
 
 def test_split_balances_by_seconds_and_counts_an_unrun_test_as_the_slowest():

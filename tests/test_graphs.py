@@ -128,7 +128,7 @@ def test_graphed_training_steps_refuse_dp_without_a_group(monkeypatch):
 
 
 def test_cublas_workspaces_are_dropped_after_the_warm_up_and_after_each_capture(monkeypatch):
-    """On the H200 (2026-12-03; docs/history.md) nvFuser's graph held 360 MiB,
+    """On an H200 (docs/history.md) nvFuser's graph held 360 MiB,
     its pool 326: the rest, we expect, is cuBLAS's workspace for the warm-up's
     side stream (32 MiB on Hopper), kept beside the one the capture makes in
     the pool. The order of the calls around a capture, with CUDA faked (CPU)."""

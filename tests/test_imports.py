@@ -1,7 +1,7 @@
-"""Every `from tpfuser.X import name` in the package, the tests and the tools
-(tools/probes too), function bodies included, names something X has: many run
-only on a GPU (under a launcher, in a benchmark), where a stale import would
-cost device time. And the package's structure, read from the source: no import
+"""Every `from tpfuser.<module> import <name>` in the package, the tests and
+the tools (tools/probes too), function bodies included, names something the
+module has: many run only on a GPU (under a launcher, in a benchmark), where a
+stale import would cost device time. And the package's structure, read from the source: no import
 circle, top-level imports down the layers, an oracle that imports nothing of
 the package, function-level imports only of what is heavy or optional (each
 module says why at its top), no module over 350 lines."""

@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -100,7 +101,7 @@ def test_the_estimate_is_the_larger_phase_not_their_sum():
 
 
 def test_a_bf16_check_counts_rank_0s_eager_run(monkeypatch):
-    """In bf16, rank 0 also runs the block in eager bf16 (check.eager_errors):
+    """In bf16, rank 0 also runs the block in eager bf16 (oracle.eager_errors):
     weights and gradients in bf16 (4 bytes a parameter) and, while the largest
     gradient (c_fc's or c_proj's, 4 e^2) is compared, three float64 tensors of its size."""
     from tpfuser.config import preset
@@ -160,6 +161,7 @@ def test_timeout_ends_every_rank(tmp_path, monkeypatch, capsys):
     script.write_text(STUCK_RUN)
     monkeypatch.setenv("TPFUSER_TIMEOUT_S", "3")
     monkeypatch.setattr(launch, "GRACE_S", 0.5)
+    monkeypatch.setattr(launch, "WATCH_S", 0.5)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     started = []
@@ -177,7 +179,7 @@ def test_timeout_ends_every_rank(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(launch.subprocess, "Popen", popen)
     t0 = time.monotonic()
     assert launch.relaunch(Layout(1, 2), ["check"]) == 124
-    assert time.monotonic() - t0 < 3 + 0.5 + 5 + 2
+    assert time.monotonic() - t0 < 3 + 30   # ended at its bound, not left to sleep its 600 s (a margin load keeps)
     assert "did not finish in 3 s and was ended, every rank" in capsys.readouterr().err
     leader = started[0].pid
     own_session, in_group = (int(p) for p in pids.read_text().split())
@@ -186,52 +188,118 @@ def test_timeout_ends_every_rank(tmp_path, monkeypatch, capsys):
     assert _gone(in_group) and _gone(leader)
 
 
-# A launcher with two ranks that never end: rank 0 waits in a function named so
-# (as in a collective) with its stdout and stderr pointed at a file, as
-# commlog.captured_communications does while nvFuser runs; rank 1 spins. Each
-# arms its stack dumps as tpfuser's entry points do. The launcher is no rank (no RANK).
+# A launcher with two ranks that never end (plain Python: they start in a blink
+# however busy the machine): rank 0 sleeps, rank 1 spins. Each writes the
+# stacks time run_bounded handed it (argv[2] + rank). The launcher is no rank (no RANK).
 RANK_PROGRAM = r"""
-import os, sys, tempfile, time
-from tpfuser.dist.launch import arm_stack_dumps
-arm_stack_dumps()
-def waiting_in_a_collective():
-    with tempfile.TemporaryFile() as log:
-        os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
-        time.sleep(600)
+import os, sys, time
+with open(sys.argv[2] + sys.argv[1], "w") as f:
+    f.write(os.environ.get(sys.argv[3], ""))
+def waiting():
+    time.sleep(600)
 def spinning():
     while True:
         pass
-(spinning if sys.argv[1] == "1" else waiting_in_a_collective)()
+(spinning if sys.argv[1] == "1" else waiting)()
 """
 WAITING_RANKS = r"""
 import os, subprocess, sys, time
-ranks = [subprocess.Popen([sys.executable, sys.argv[1], str(r)], env={**os.environ, "RANK": str(r)}) for r in (0, 1)]
+ranks = [subprocess.Popen([sys.executable, sys.argv[1], str(r), *sys.argv[2:]], env={**os.environ, "RANK": str(r)})
+         for r in (0, 1)]
 time.sleep(600)
 """
 
 
-def test_a_run_past_its_bound_says_what_each_rank_was_doing(tmp_path, monkeypatch, capfd):
-    """Before a stuck run is ended, each rank has printed its Python stacks, and
-    run_bounded names each with the CPU it used (waiting or working) and its
-    busiest thread."""
+def test_a_run_past_its_bound_names_each_rank_and_ends_them(tmp_path, monkeypatch, capfd):
+    """Past its bound run_bounded names each rank (not the launcher) with the CPU
+    it used, says which waits, ends every process; the ranks were told when to
+    print their stacks (STACKS_AT_VAR). What a rank prints then:
+    test_an_armed_rank_prints_its_stacks_at_the_time_it_was_given; the CPU
+    figures' arithmetic: test_the_report_of_a_late_rank."""
     (tmp_path / "rank.py").write_text(RANK_PROGRAM)
     (tmp_path / "launcher.py").write_text(WAITING_RANKS)
     monkeypatch.setattr(launch, "GRACE_S", 0.5)
     monkeypatch.setattr(launch, "WATCH_S", 1.0)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    # bound 10 s: time for the ranks to import torch (3 s here) and be where they stay; stacks at 7.5 s
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    env.pop("RANK", None)
-    assert launch.stacks_due_s(10) == 7.5 and launch.stacks_due_s(600) == 580
-    assert launch.run_bounded([sys.executable, str(tmp_path / "launcher.py"), str(tmp_path / "rank.py")], env, 10) is None
+    env = {k: v for k, v in os.environ.items() if k != "RANK"}
+    started = time.time()
+    cmd = [sys.executable, str(tmp_path / "launcher.py"), str(tmp_path / "rank.py"), str(tmp_path / "stacks_at_"),
+           launch.STACKS_AT_VAR]
+    assert launch.run_bounded(cmd, env, 5) is None
     err = capfd.readouterr().err
     lines = {line.split(" (pid")[0]: line for line in err.splitlines() if line.startswith("rank ")}
     assert set(lines) == {"rank 0", "rank 1"}, err   # the ranks, not the launcher
-    used = {r: float(line.split("): ")[1].split(" s of CPU")[0]) for r, line in lines.items()}
-    assert used["rank 0"] < 0.2 and used["rank 1"] > 0.5, used
-    assert "the busiest: python" in lines["rank 1"]   # the spinning thread, by name
-    assert "waiting" in lines["rank 0"] and "waiting" not in lines["rank 1"]
-    assert "in waiting_in_a_collective" in err and "in spinning" in err   # the stacks each rank printed
+    assert "waiting" in lines["rank 0"], lines   # asleep: no CPU, however busy the machine
+    assert "the busiest: python" in lines["rank 1"]
+    for r in (0, 1):
+        stacks_at = float((tmp_path / f"stacks_at_{r}").read_text())
+        assert abs(stacks_at - (started + launch.stacks_due_s(5))) < 2, stacks_at - started
+    pids = [int(line.split("(pid ")[1].split(")")[0]) for line in lines.values()]
+    assert all(_gone(pid) for pid in pids), "a rank is left running"
+
+
+def test_the_report_of_a_late_rank(monkeypatch, capsys):
+    """_report_ranks, on CPU figures given: each rank's CPU over the watch is its
+    threads' after less before (a thread born meanwhile counts whole), the
+    busiest threads first, and a rank under a tenth of the watch is waiting."""
+    before = {10: {10: ("python", 5.0), 11: ("pt_worker", 1.0)}, 20: {20: ("python", 7.0)}}
+    after = {10: {10: ("python", 5.08), 11: ("pt_worker", 1.0)},                  # 0.08 s in 2 s: waiting
+             20: {20: ("python", 8.5), 21: ("nvfuser_compile", 0.3)}}             # 1.8 s: working
+    reads = {10: iter([before[10], after[10]]), 20: iter([before[20], after[20]])}
+    monkeypatch.setattr(launch.procs, "alive", lambda tracked: list(tracked))
+    monkeypatch.setattr(launch.procs, "rank_of", lambda pid: {10: "0", 20: "1"}[pid])
+    monkeypatch.setattr(launch.procs, "threads_cpu_s", lambda pid: next(reads[pid]))
+    monkeypatch.setattr(launch.time, "sleep", lambda s: None)
+    launch._report_ranks({10: "t", 20: "t"}, 2.0)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == ("rank 0 (pid 10): 0.1 s of CPU in the last 2 s over 2 threads, the busiest: python 0.1, "
+                        "pt_worker 0.0 (waiting, in a collective most likely)")
+    assert lines[1] == ("rank 1 (pid 20): 1.8 s of CPU in the last 2 s over 2 threads, the busiest: python 1.5, "
+                        "nvfuser_compile 0.3")
+
+
+def test_a_threads_cpu_is_read_as_the_thread_measures_it():
+    """procs.threads_cpu_s against the thread's own clock (time.thread_time): the
+    CPU this thread spends between two reads, however long that takes in wall time."""
+    from tpfuser.dist import procs
+    tid = threading.get_native_id()
+    first, t0 = procs.threads_cpu_s(os.getpid())[tid][1], time.thread_time()
+    while time.thread_time() - t0 < 0.3:
+        pass
+    second, t1 = procs.threads_cpu_s(os.getpid())[tid][1], time.thread_time()
+    assert abs((second - first) - (t1 - t0)) < 0.05   # /proc counts in clock ticks (10 ms)
+
+
+ARMED_RANK = r"""
+import os, sys, tempfile, time
+from tpfuser.dist.launch import STACKS_AT_VAR, arm_stack_dumps
+os.environ["RANK"] = "0"
+os.environ[STACKS_AT_VAR] = str(time.time() + 1)
+arm_stack_dumps()
+def waiting_in_a_collective():
+    with tempfile.TemporaryFile() as log:   # as commlog.captured_communications does while nvFuser runs
+        os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)
+        time.sleep(30)
+waiting_in_a_collective()
+"""
+
+
+def test_an_armed_rank_prints_its_stacks_at_the_time_it_was_given(tmp_path):
+    """A rank that armed its stack dumps (as every entry point does) prints its
+    Python stacks at STACKS_AT_VAR's time to the stderr it started with, though
+    its descriptors 1 and 2 point at a file by then."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", ARMED_RANK], env=env, stderr=subprocess.PIPE, text=True)
+    seen = []
+    try:
+        for line in proc.stderr:   # until the stacks name the function (or the process ends)
+            seen.append(line)
+            if "in waiting_in_a_collective" in line:
+                break
+    finally:
+        proc.kill()
+        proc.wait()
+    assert any("in waiting_in_a_collective" in line for line in seen), "".join(seen)[-2000:]
 
 
 def test_a_run_that_finishes_returns_its_status(tmp_path):

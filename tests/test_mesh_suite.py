@@ -1,26 +1,20 @@
-"""tools/mesh_suite.py on the reports the H200 wrote (run 9, and the runs each
-test names; copies in tests/data, tests/data/README.md): verdicts under
-today's rules, and the README's table drawn from them."""
-import glob
+"""tools/mesh_suite.py on `check --json` reports made here (tests/mesh_reports.py:
+the keys check writes, figures invented, collectives written out by hand):
+verdicts recomputed under today's rules and plan, the summary and the README's
+table drawn from them."""
 import json
-import os
 import sys
 
 import pytest
 
+from tests.mesh_reports import megatron_posted, mesh_report, rank_report
+
 sys.path.insert(0, "tools")
 import mesh_suite  # noqa: E402
 
-RUNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "2026-12-03-h200")
-RUN9 = os.path.join(RUNS, "run9")
-
-
-def _report(name):
-    return json.load(open(f"{RUN9}/{name}.json"))
-
 
 def test_the_slowest_rank_per_phase():
-    report = _report("tiny_2x2")
+    report = mesh_report(2, 2)
     for case in report["cases"]:
         for r in case["ranks"]:
             r["seconds"] = {"reference": 1.0 + r["rank"], "forward": 30.0 - r["rank"]}
@@ -29,8 +23,8 @@ def test_the_slowest_rank_per_phase():
 
 
 def test_what_the_ranks_held_at_once_beside_the_estimate():
-    report = _report("tiny_2x2")
-    assert mesh_suite.summarize(report)["cases"]["fp32"]["peak_gib"] is None   # reports from before the key
+    report = mesh_report(2, 2)
+    assert mesh_suite.summarize(report)["cases"]["fp32"]["peak_gib"] is None   # reports without the key
     for case in report["cases"]:
         for r in case["ranks"]:   # rank 0 holds the reference, then every rank its block
             r["peak_gib"] = {"reference": 9.0 if r["rank"] == 0 else 0.5, "block": 1.5 + r["rank"]}
@@ -43,70 +37,98 @@ def test_what_the_ranks_held_at_once_beside_the_estimate():
 
 
 def test_verdicts_are_recomputed_from_the_figures():
-    # written under the old 5x wrong-stream rule (tiny: 3.1-4.1x), passing under today's 2x
-    tiny = _report("tiny_2x2")
-    assert not tiny["ok"]
-    assert mesh_suite.summarize(tiny)["ok"]
-    (rank,) = [r for r in tiny["cases"][1]["ranks"] if r["rank"] == 0]
+    """A report stored as failed (its wrong streams told apart 3.5 times, under a
+    stricter rule than today's 2) passes now; a vacuous control fails a rank."""
+    report = mesh_report(2, 2, ok=False)
+    assert mesh_suite.summarize(report)["ok"]
+    (rank,) = [r for r in report["cases"][1]["ranks"] if r["rank"] == 0]
+    assert rank["dtype"] == "bf16" and mesh_suite.passed(rank)
     rank["forward"]["wrong_stream_branch_rel_err"] = rank["forward"]["branch_rel_err"]   # a vacuous control
+    assert not mesh_suite.passed(rank)
+    rank["forward"]["wrong_stream_branch_rel_err"] = 3.5 * rank["forward"]["branch_rel_err"]
+    rank["backward"]["mask_mismatches"]["resid_mlp_keep"] = 3
     assert not mesh_suite.passed(rank)
 
 
 def test_a_failed_mesh_gives_no_verdict_on_masks_or_collectives():
-    case = mesh_suite.summarize(_report("tiny_1x8"))["cases"]["fp32"]
+    report = mesh_report(1, 8, dtypes=("fp32",))
+    report["cases"][0]["ranks"] = [{"preset": "tiny", "dtype": "fp32", "dropout": 0.1, "rank": r, "ok": False,
+                                    "error": "RuntimeError: Expected (stride)==(expected): found 24 vs 8"}
+                                   for r in range(8)]
+    case = mesh_suite.summarize(report)["cases"]["fp32"]
     assert case["ranks_ok"] == 0 and case["masks_equal"] is None and case["collectives_match"] is None
     assert "stride" in case["errors"][0]
 
 
-def test_the_table_has_a_row_per_report_and_dtype():
-    lines = mesh_suite.markdown_table([RUN9]).splitlines()
-    reports = [p for p in glob.glob(f"{RUN9}/*.json") if "cases" in json.load(open(p))]
-    assert len(lines) == 2 + 2 * len(reports)
+def test_the_table_has_a_row_per_report_and_dtype(tmp_path):
+    run = tmp_path / "run9"
+    run.mkdir()
+    for name, report in {"tiny_1x2": mesh_report(1, 2), "tiny_2x2_sp": mesh_report(2, 2, sp=True)}.items():
+        (run / f"{name}.json").write_text(json.dumps(report))
+    (run / "mesh_summary.json").write_text("{}")   # no cases: not a report
+    lines = mesh_suite.markdown_table([str(run)]).splitlines()
+    assert len(lines) == 2 + 2 * 2
     row = next(line for line in lines if line.startswith("| tiny_1x2 | fp32 |"))
     assert "| 2/2 | 2.0e-08 | 2.4e-07 | - | bit-exact | as planned | run9 (cac77df) |" in row
+    bf16 = next(line for line in lines if line.startswith("| tiny_2x2_sp | bf16 |"))
+    assert "| 4/4 | 3.0e-03 | 6.0e-03 | 3.5 | bit-exact | as planned |" in bf16
     assert all(len(line.split("|")) == len(lines[0].split("|")) for line in lines)
 
 
 def test_stored_collectives_are_judged_by_todays_plan():
-    """Run 17's SP reports failed on collectives against the plan they were written
-    with (no all-reduces of the tp-replicated gradients); today's plan has them."""
-    report = json.load(open(f"{RUNS}/run17/tiny_2x2_sp.json"))
-    assert not report["ok"]
+    """A report whose stored verdict on collectives failed passes when what the
+    rank posted is today's plan; one all-reduce fewer fails it."""
+    report = mesh_report(2, 2, sp=True, ok=False)
+    for case in report["cases"]:
+        for r in case["ranks"]:
+            r["ok"] = False
+            for phase in r["collectives"].values():
+                phase["matches"] = False
     assert mesh_suite.summarize(report)["ok"]
     rank = report["cases"][0]["ranks"][3]
-    rank["collectives"]["backward"]["posted"].pop()   # one all-reduce fewer than nvFuser posted
+    rank["collectives"]["backward"]["posted"].pop()   # one all-reduce fewer than planned
+    assert not mesh_suite.passed(rank)
+    rank = report["cases"][0]["ranks"][2]
+    rank["collectives"]["forward"]["posted"][0]["team"] = [0, 1]   # over the other dp row's tp ranks
     assert not mesh_suite.passed(rank)
 
 
 def test_a_failed_graph_replay_fails_the_rank():
-    rank = json.load(open(f"{RUNS}/run15/graphs_2x2.json"))["cases"][1]["ranks"][2]
-    assert rank["graphs"] and mesh_suite.passed(rank)
-    rank["graphs"][next(iter(rank["graphs"]))] = False
+    rank = rank_report(2, 2, False, 2, graphs={"forward equal": True, "train step equal": True})
+    assert mesh_suite.passed(rank)
+    rank["graphs"]["forward equal"] = False
     assert not mesh_suite.passed(rank)
 
 
-def test_a_suite_mesh_folder_is_named_by_its_run_and_later_runs_replace_earlier_rows():
-    """Runs 19 and 20 wrote their reports under runN/mesh; run 19's tiny 1x2 SP
-    (fp32 and bf16) replaces run 17's (fp32 only) in the table."""
-    assert mesh_suite.run_name(f"{RUNS}/run20/mesh/") == "run20/mesh"
-    assert mesh_suite.run_name(RUN9) == "run9"
-    runs = [f"{RUNS}/run17", f"{RUNS}/run19/mesh", f"{RUNS}/run20/mesh"]
+def test_a_suite_mesh_folder_is_named_by_its_run_and_later_runs_replace_earlier_rows(tmp_path):
+    """The suite writes its reports under runN/mesh; a later folder's report of a
+    mesh replaces an earlier one's rows, and no row is made up for a dtype a
+    report never ran."""
+    folders = {"run17": {"tiny_1x2_sp": mesh_report(1, 2, sp=True, dtypes=("fp32",), commit="06960ab0")},
+               "run19/mesh": {"tiny_1x2_sp": mesh_report(1, 2, sp=True, commit="20b74c50")},
+               "run20/mesh": {"tiny_2x4": mesh_report(2, 4, commit="20b74c50"),
+                              "tiny_2x4_sp": mesh_report(2, 4, sp=True, ran=("fp32",), commit="20b74c50")}}
+    for folder, reports in folders.items():
+        (tmp_path / folder).mkdir(parents=True)
+        for name, report in reports.items():
+            (tmp_path / folder / f"{name}.json").write_text(json.dumps(report))
+    assert mesh_suite.run_name(f"{tmp_path}/run20/mesh/") == "run20/mesh"
+    assert mesh_suite.run_name(str(tmp_path / "run17")) == "run17"
+    runs = [str(tmp_path / f) for f in folders]
     lines = mesh_suite.markdown_table(runs).splitlines()
     row = next(line for line in lines if line.startswith("| tiny_2x4 | fp32 |"))
-    assert "| 8/8 | 2.2e-08 | 2.7e-07 | - | bit-exact | as planned | run20/mesh (20b74c5) |" in row
+    assert "| 8/8 | 2.0e-08 | 2.4e-07 | - | bit-exact | as planned | run20/mesh (20b74c5) |" in row
     sp_rows = [line for line in lines if line.startswith("| tiny_1x2_sp |")]
     assert len(sp_rows) == 2 and all("| run19/mesh (20b74c5) |" in line for line in sp_rows)
     assert "| run17 (06960ab) |" in mesh_suite.markdown_table(runs[:1])   # what it replaced
-    # the SP job ran fp32 only (its bf16 case ended at the call's bound): no bf16 row is made up
     assert not any(line.startswith("| tiny_2x4_sp | bf16 |") for line in lines)
 
 
 def test_a_job_cut_before_all_its_dtypes_ran_fails():
-    """Run 20's tiny 2x4 SP: its fp32 case passed on every rank, its bf16 case never ran."""
-    report = json.load(open(f"{RUNS}/run20/mesh/tiny_2x4_sp.json"))
-    summary = mesh_suite.summarize(report)
+    """A job whose fp32 case passed on every rank and whose bf16 case never ran."""
+    summary = mesh_suite.summarize(mesh_report(2, 4, sp=True, ran=("fp32",)))
     assert summary["cases"]["fp32"]["ranks_ok"] == 8 and summary["missing"] == ["bf16"]
-    assert summary["cases"]["fp32"]["seconds"] == {}        # reports before this session carry no times
+    assert summary["cases"]["fp32"]["seconds"] == {}        # reports without times
     assert not summary["ok"]
     assert "tiny_2x4_sp        bf16  not run" in mesh_suite.format_summary({"tiny_2x4_sp": {**summary, "seconds": 476}})
 
@@ -126,12 +148,16 @@ def test_jobs_are_picked_by_group_name_and_dtype():
 
 
 def test_reports_are_judged_by_the_plan_of_the_fusions_they_ran():
-    """A 2x1 run with the unit-axis splits (run 17: all-reduces over a team of
-    one posted) and one without (run 28: none) both pass, each by its own
-    plan; judged by the other's, each would fail."""
-    with_splits = json.load(open(f"{RUNS}/run17/tiny_2x1_sp.json"))
-    without = json.load(open(f"{RUNS}/run28/nounit_tiny_2x1.json"))
-    assert "split_unit_axes" not in with_splits and without["split_unit_axes"] is False
+    """At 2x1 a run with the unit-axis splits posts tp's all-reduces over a team
+    of one, a run without them none; each passes by its own plan and would fail
+    by the other's. A report without the key (written before it) ran split."""
+    with_splits = mesh_report(2, 1, dtypes=("fp32",))
+    for r in with_splits["cases"][0]["ranks"]:
+        r["collectives"] = {phase: {"planned": [], "posted": p, "matches": True}
+                            for phase, p in megatron_posted(2, 1, False, r["rank"], unit_splits=True).items()}
+    del with_splits["split_unit_axes"]
+    without = mesh_report(2, 1, dtypes=("fp32",))
+    assert without["split_unit_axes"] is False
     assert mesh_suite.summarize(with_splits)["ok"] and mesh_suite.summarize(without)["ok"]
     assert not mesh_suite.summarize({**with_splits, "split_unit_axes": False})["ok"]
     assert not mesh_suite.summarize({**without, "split_unit_axes": True})["ok"]
@@ -140,8 +166,8 @@ def test_reports_are_judged_by_the_plan_of_the_fusions_they_ran():
 def test_collectives_are_judged_by_the_plan_of_the_schedule_the_rank_ran():
     """A report names its schedule: the default (cut at the linears) plans what
     megatron-sp does; the overlapped schedule plans chunked collectives, which
-    these ranks (run 17, unchunked) did not post. Reports without the key are megatron's."""
-    rank = json.load(open(f"{RUNS}/run17/tiny_2x2_sp.json"))["cases"][0]["ranks"][3]
+    these ranks (unchunked) did not post. Reports without the key are megatron's."""
+    rank = rank_report(2, 2, True, 3)
     assert "schedule" not in rank and mesh_suite.passed(rank)
     rank["schedule"] = "megatron-sp-cut-linears"
     assert mesh_suite.passed(rank)

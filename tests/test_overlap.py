@@ -1,4 +1,4 @@
-"""The overlap model (tpfuser/overlap.py, `tpfuser plan --overlap N`), its
+"""The overlap model (tpfuser/parallel/overlap_model.py, `tpfuser plan --overlap N`), its
 plain-PyTorch decomposition, and the overlapped linears' fusions (built here;
 tools/overlap_check.py runs them on a GPU)."""
 import json
@@ -137,8 +137,8 @@ def test_overlap_fusions_refuse_what_does_not_divide(build, args, words):
 
 def test_overlap_refuses_a_rank_beyond_the_gpus_nvfuser_would_index():
     """nvFuser 0.2.36's host IR evaluator indexes CUDA devices by global rank, so
-    rank 1 of ranks sharing one GPU failed deep inside nvFuser (on the H200,
-    2026-12-03; docs/history.md); refused first."""
+    rank 1 of ranks sharing one GPU failed deep inside nvFuser (on an H200,
+    docs/history.md); refused first."""
     from tpfuser.dist.sharegpu import check_host_ir_device
     check_host_ir_device(0, 1)
     check_host_ir_device(3, 4)

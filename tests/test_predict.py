@@ -215,6 +215,21 @@ def _args(*argv):
     return p.parse_args(list(argv))
 
 
+@pytest.mark.parametrize("interconnect", sorted(comm.INTERCONNECTS))
+def test_every_source_the_prediction_prints_is_public(capsys, interconnect):
+    """Each anchor's source and each table's is a repository path or a URL
+    (github.com/...), and the output cites no issue of ours."""
+    import re
+    cfg, schedule = preset("gpt3"), SCHEDULES["megatron"]
+    rep = predict_command(cfg, schedule.layout(1, 8), schedule,
+                          _args("--calibration", STANDIN, "--interconnect", interconnect))
+    out = capsys.readouterr().out
+    assert rep["anchors"] and all(re.match(r"(https://)?github\.com/\S+/\S+", src) for *_, src in rep["anchors"])
+    for kind, table in rep["interconnect"]["tables"].items():
+        assert "github.com/" in table["source"], (kind, table["source"])
+    assert not re.search(r"(?<!#)\bissues? #?\d", out.replace("github.com/NVIDIA/nccl-tests/issues/", "")), out
+
+
 def test_command_output_on_the_standin_calibration(tmp_path, capsys):
     png = tmp_path / "t.png"
     args = _args("--calibration", STANDIN, "--compare", "--png", str(png))

@@ -11,6 +11,7 @@ from tpfuser.verify.reference import make_block
 from tpfuser.parallel.schedules import SCHEDULES
 from tpfuser.runtime.block import ShardedBlock
 from tpfuser.dist.world import check_world
+from tests.hand_shards import megatron_shard
 
 
 @pytest.fixture
@@ -147,17 +148,20 @@ def test_module_modes_route_to_their_fusions(monkeypatch, schedule):
     assert len(runner._passes) == 6 and model.step == 1
 
 
-def test_rank_shards_are_the_slices_of_the_fusion_params():
-    from tpfuser.verify.reference import make_block
-    from tpfuser.parallel.shard import fusion_params, rank_params
+@pytest.mark.parametrize("layout, rank", [(Layout(1, 2), 1), (Layout(2, 4), 6)], ids=["1x2 rank 1", "2x4 rank 6"])
+def test_rank_shards_are_megatrons_slices(layout, rank):
+    """rank_shards against Megatron-LM's column and row splits cut by hand (a dp
+    rank holds its tp column's shards: rank 6 of 2x4 is tp rank 2), in the block's dtype."""
     from tpfuser.runtime.weights import rank_shards
     cfg = preset("tiny", dtype="bf16")
     state = make_block(cfg).state_dict()
-    shards = rank_shards(state, cfg, Layout(1, 2), 1)
-    want = rank_params(fusion_params({k: v.to(torch.bfloat16) for k, v in state.items()}, cfg), Layout(1, 2), 1)
-    assert all(s.dtype == torch.bfloat16 and torch.equal(s, w) for s, w in zip(shards, want, strict=True))
+    shards = rank_shards(state, cfg, layout, rank)
+    tp_rank = rank % layout.tp
+    for name, got in zip(PARAM_NAMES, shards, strict=True):
+        want = megatron_shard(state, name, cfg, layout.tp, tp_rank).to(torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), name
     with pytest.raises(ValueError, match=r"state_dict lacks \['ln_1.weight'\]"):
-        rank_shards({k: v for k, v in state.items() if k != "ln_1.weight"}, cfg, Layout(1, 2), 1)
+        rank_shards({k: v for k, v in state.items() if k != "ln_1.weight"}, cfg, layout, rank)
 
 
 def test_check_without_gpu_says_so_in_one_line(capsys):
@@ -203,8 +207,8 @@ def aten_calls(summary: str) -> dict[str, int]:
 
 
 def test_fusion_summary_counts_what_aten_runs():
-    """fp32 writes attention out: two matmuls instead of flash attention (pass_summary,
-    which replaced cli.fusion_summary; it no longer counts the reductions and gaps).
+    """fp32 writes attention out: two matmuls instead of flash attention (pass_summary;
+    it counts no reductions and gaps).
     The single fusion's line, and the default schedule's fusions summed."""
     from tpfuser.parallel.schedule import build_forward
     from tpfuser.verify.inspect import pass_summary

@@ -1,6 +1,6 @@
 """A schedule's segment_hints: points kept inside one fusion where nvFuser's
 segmenter is told to end a kernel (a segment_set on what crosses the point),
-for issue 29's first call. CPU: the fusions' text."""
+for the first call (NOTES.md). CPU: the fusions' text."""
 import json
 
 import pytest

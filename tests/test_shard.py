@@ -55,9 +55,12 @@ def test_gather_catches_disagreeing_replicas():
 
 
 def test_rank_params_shapes_gpt3_tp8():
-    cfg = preset("tiny")
-    shards = rank_params(fusion_params(make_block(cfg).state_dict(), cfg), Layout(1, 8), 3)
-    e = cfg.n_embd
+    """gpt3's shards at tp 8 (on the meta device: shapes without 7 GB of weights)."""
+    from tpfuser.block.tensors import param_shapes
+    cfg = preset("gpt3")
+    state = {name: torch.empty(shape, device="meta") for name, shape in param_shapes(cfg).items()}
+    shards = rank_params(fusion_params(state, cfg), Layout(1, 8), 3)
+    e = 12288
     assert [tuple(s.shape) for s in shards] == [
         (e,), (e,), (3 * e // 8, e), (3 * e // 8,), (e, e // 8), (e,), (e,), (e,), (4 * e // 8, e), (4 * e // 8,),
         (e, 4 * e // 8), (e,)]

@@ -1,4 +1,4 @@
-"""The default-stream shim (tpfuser/shim/default_stream.c): built with the
+"""The default-stream shim (tpfuser/dist/shim/default_stream.c): built with the
 machine's C compiler, preloaded, it hands c10::cuda::getDefaultCUDAStream an
 index past the visible devices as -1 (the current device). Checked on the CPU
 against a stand-in for libc10_cuda (one device); skipped without a compiler."""

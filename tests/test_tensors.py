@@ -1,4 +1,4 @@
-"""The table of the block's tensors (tpfuser/tensors.py) and the placements that
+"""The table of the block's tensors (tpfuser/block/tensors.py) and the placements that
 follow from their dimensions (plan.placement)."""
 import pytest
 

@@ -185,7 +185,7 @@ LOAD_REFUSALS = [
     ("nan_shard", lambda b: b.load_shards([_nan_inf(torch.zeros(b.local_param_shape(n))) if n == "mlp.c_fc.bias"
                                            else torch.zeros(b.local_param_shape(n)) for n in PARAM_NAMES]),
      ["mlp.c_fc.bias: 3 of 256 elements are not finite (1 NaN, 2 inf)"]),
-    # issue 34: keys the block has no tensor for, and keys it lacks, listed
+    # keys the block has no tensor for, and keys it lacks, listed
     ("extra_keys", lambda b: b.load(with_(with_(nanogpt_state(), "lora.A", torch.zeros(2)), "lora.B", torch.zeros(2))),
      ["state_dict has 2 key(s) the block has no tensor for: 'lora.A', 'lora.B'", "strict=False ignores the others"]),
     ("many_extra_keys", lambda b: b.load({**nanogpt_state(), **{f"x{i}": torch.zeros(1) for i in range(10)}}),

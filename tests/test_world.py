@@ -1,4 +1,4 @@
-"""The process world starts in an explicit call (tpfuser/world.py), never at import."""
+"""The process world starts in an explicit call (tpfuser/dist/world.py), never at import."""
 import os
 import subprocess
 import sys

@@ -33,7 +33,7 @@ def gpu_test_ids(paths=("tests",), k: str = "") -> list[str]:
 
 
 def run_number(path: str) -> int:
-    m = re.search(r"/run(\d+)", path)
+    m = re.search(r"(?:^|/)run(\d+)", path)
     return int(m.group(1)) if m else -1
 
 

@@ -1,7 +1,9 @@
 #!/bin/bash
-# Every GPU check and the benchmarks, in one device call:
-#   source .nvf/setup.sh; bash tools/gpu_suite.sh
+# Every GPU check and the benchmarks, in one device call, from the repository alone
+# (in the package's environment: `make`'s .venv activated, or torch and nvFuser installed):
+#   bash tools/gpu_suite.sh
 # Writes JSON under $OUT (default ./gpu_out) and prints a short table last.
+# Ranks that share a GPU run through the package's own launcher (tpfuser.dist.sharegpu).
 #
 # ONLY="fwd+bwd train" picks the steps, in order; steps joined by + run at once:
 #   tests  pytest -m gpu on TESTS (default tests/), narrowed by K, bound TESTS_S (s); TEST_JOBS=n: in n
@@ -15,23 +17,25 @@
 #           its wheels installed first, INSTALL.txt beside them), with --profile (each kernel against its work,
 #           the idle gaps): nanogpt fwd then fwd+bwd; gpt3 fwd. PEERS_IMPLS, PEERS_TRAIN_IMPLS, PEERS_GPT3_IMPLS:
 #           --impl for each; bounds PEERS_S, PEERS_TRAIN_S, PEERS_GPT3_S (max-autotune tunes GEMMs for minutes)
-#   bisect  the meshed backward in each of BISECT_DTYPES ("bf16 fp32") at once, bound BISECT_S,
-#           BISECT_EACH=1 then each output alone of a failing one
 #   mesh    every mesh checked to the end, forward and backward, its ranks sharing the GPU
 #           (tools/mesh_suite.py; MESH picks groups or jobs, default "tiny nanogpt gpt3"; bound MESH_S)
-#   overlap the overlapped linears of issue 17 (tools/overlap_check.py) at tp 2 and 4, side by side,
-#           ranks sharing the GPU (correctness and the communications posted; not speed); bound OVERLAP_S
-#   onehead the one-head-per-rank probe (tools/repro_one_head.py, every form) at tp 2 with 2 and 4
-#           heads and at tp 8 with 8, side by side, ranks sharing the GPU; bound ONEHEAD_S
-#   replay  tools/probes/replay_probe.py: bf16 train-step replays against the called block before and after
-#           each suspect (REPLAY_SUSPECTS), each in its own process, side by side (run 27's two
-#           failing graph tests, run 30's; the block with the unit-axis splits); bound REPLAY_S,
-#           REPLAY_ARGS=--after-only: no trial before the suspect
-#   copies  tools/probes/copy_probe.py: which op (and which line of ours) launches each copy kernel of
-#           nanogpt's bf16 training step (run 29: 5, 0.057 ms a step; run 31: 0); bound COPIES_S
+#   overlap  the overlapped linears (tools/overlap_check.py) at tp 2 and 4, side by side, ranks sharing
+#           the GPU (correctness and the communications posted; not speed); bound OVERLAP_S
+#   overlapped  the overlapped schedules checked on every rank (`check --collectives --share-gpu`),
+#           OVERLAP_JOBS picks some ("tp2c4 tp4c4 sp2c4 sp4c4 tp2c2 sp2c2 str2c4 strsp2c4", or tp8c4,
+#           dp2tp2); bound OVERLAP_S
+#   race  the chunked row-parallel all-reduce on 2 ranks sharing the GPU: the GPU test with
+#           CUDA_DEVICE_MAX_CONNECTIONS=1, then the run without it recorded (race_control.json:
+#           a negative control, a record, not a test); bound OVERLAP_S
+#   onehead  the one-head-per-rank reproducer (tools/repro_one_head.py, every form) at tp 2 with 2 and
+#           4 heads and at tp 8 with 8, side by side, ranks sharing the GPU; bound ONEHEAD_S
+#   onehead2  one head per rank: tiny with 2 heads at tp 2 under each candidate schedule
+#           (ONEHEAD_SCHEDULES, default tools/schedules/onehead-*.json), side by side; bound ONEHEAD_S
+#   rsrepro  nvFuser 0.2.36 and a reduce-scatter chunked on the stream axis
+#           (tools/probes/repro_chunked_reduce_scatter.py, 2 ranks sharing the GPU); bound RSREPRO_S
 #   graphs  CUDA graphs: tests/test_gpu_graphs.py at 1x1, and `check --graphs` at 1x2 and 2x2
 #           (replays against the called block, bit for bit), side by side; bound GRAPHS_S
-#   startup the first call in fresh processes (bench --startup): nanogpt's forward and training step, every
+#   startup  the first call in fresh processes (bench --startup): nanogpt's forward and training step, every
 #           implementation (STARTUP_IMPLS: --impl), at the default schedule; nvFuser alone at the schedules
 #           STARTUP_SCHEDULES (names or files; set empty: none); gpt3's forward, nvFuser and torch.compile
 #           (STARTUP_GPT3=0: not). Alone on the machine (compiles are CPU-bound)
@@ -40,8 +44,6 @@
 #           pass train or forward, threads NVFUSER_NUM_THREADS or - for nvFuser's default, flags the probe's
 #           without their dashes, joined by commas, e.g. no-twins; a schedule by name or
 #           file, e.g. tools/schedules/first-call-*.json); bound FIRSTCALL_S each
-#   cublas  tools/probes/cublas_start_probe.py: what a cold process's first linear waits for (CUBLAS_CASES: some
-#           of its cases); bound CUBLAS_S
 #   calibrate  tools/calibrate.py for CALIBRATE_PRESETS (default "gpt3 nanogpt") at tp 1 2 4 5 8, into
 #           $OUT/calibration.json (CALIBRATE_ARGS: more arguments, e.g. --no-beside); bound CALIBRATE_S
 #   main    `make`'s job (`tpfuser main`: check of both dtypes, the default preset, 1x1), timed whole into
@@ -62,8 +64,7 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 # The default: every check (side by side), then the benchmarks (alone). About 12
-# minutes on the H200 (estimated from runs 6-8); a 600 s device call takes it in
-# two halves (README).
+# minutes on one H200; a 600 s device call takes it in two halves.
 ONLY=${ONLY:-fwd+bwd+bwdmesh graphs mesh train bench gpt3}
 TESTS=${TESTS:-tests} K=${K:-}
 export PYTHONPATH=$PWD:${PYTHONPATH:-} NVIDIA_TF32_OVERRIDE=0 PYTHONUNBUFFERED=1
@@ -83,6 +84,14 @@ pytest_gpu() {  # name, files, -k expression
   T ${TESTS_S:-400} -s INT -- python3 -m pytest -v -m gpu $2 ${3:+-k "$3"} -p no:cacheprovider --junitxml="$OUT/gpu_$1.xml" 2>&1 \
     | tee "$OUT/$1.log" | grep -E "PASSED|FAILED|XFAIL|XPASS|ERROR|SKIPPED|passed|failed" | cut -c1-200 | tail -40
 }
+shim_path() {   # the default-stream shim nvFuser 0.2.36's host IR needs on ranks sharing a GPU
+  # (tpfuser/dist/shim/default_stream.c; SHIM_SO: one built elsewhere and carried, where this machine has no C compiler)
+  [[ -n ${SHIM_SO:-} ]] && { echo "$SHIM_SO"; return; }
+  python3 -c "from tpfuser.dist.sharegpu import build_default_stream_shim as b; print(b())"
+}
+# A tool on N ranks sharing GPU 0: torchrun --nproc-per-node N "${SHARED_RANKS[@]}" SCRIPT ARGS..., each rank
+# set up by tpfuser.dist.sharegpu (NCCL's hosts, nvFuser's store; TPFUSER_DEFAULT_STREAM_SHIM preloaded when set)
+SHARED_RANKS=(-m tpfuser.dist.sharegpu --script)
 step_tests() {
   echo "== GPU tests (1x1): $TESTS ${K:+-k $K}${TEST_JOBS:+, in $TEST_JOBS pytest processes at once}"
   if [[ -z ${TEST_JOBS:-} ]]; then pytest_gpu tests "$TESTS" "$K"; return; fi
@@ -120,15 +129,6 @@ step_bench() {
   clocks nanogpt T ${BENCH_S:-420} -- python3 -m tpfuser.bench --preset nanogpt --profile --json "$OUT/bench_nanogpt.json" \
     --iters $((${ITERS:-30} * 3)) ${BENCH_IMPLS:+--impl "$BENCH_IMPLS"} 2>&1 | tee "$OUT/bench.log"
 }
-step_bisect() {
-  echo "== the meshed backward (1x1) in each dtype at once; then each output alone of the failing ones"
-  for dtype in ${BISECT_DTYPES:-bf16 fp32}; do
-    T $((${BISECT_S:-120} + 60)) -- python3 tools/backward_bisect.py ${BISECT_S:-120} $dtype ${BISECT_EACH:+--each} \
-      > "$OUT/bisect_$dtype.log" 2>&1 &
-  done
-  wait
-  cat "$OUT"/bisect_*.log | grep -E "^(bisect|stopped)" | cut -c1-400
-}
 step_mesh() {
   echo "== every mesh to the end, ranks sharing the GPU (tools/mesh_suite.py ${MESH:-tiny nanogpt gpt3})"
   mkdir -p "$OUT/mesh"
@@ -145,42 +145,24 @@ step_graphs() {
   cat "$OUT/graphs_tests.txt"; grep -h -E "^(check|dtype|fp32|bf16|all|SOME)" "$OUT"/graphs_1x2.txt "$OUT"/graphs_2x2.txt | cut -c1-220
 }
 step_overlap() {
-  echo "== overlapped linears (issue 17): chunks on streams against the whole linear, ranks sharing the GPU"
-  # nvFuser 0.2.36's host IR takes the global rank for a CUDA device index: preload the shim that gives
-  # an index past the GPUs the current device (tpfuser/shim/default_stream.c; TPFUSER_SHIM_LOG=1 logs each)
-  # (SHIM_SO: one built elsewhere and carried, where this machine has no C compiler)
-  local shim=${SHIM_SO:-}
-  [[ -n $shim ]] || shim=$(python3 -c "from tpfuser.dist.sharegpu import build_default_stream_shim as b; print(b())") || return
+  echo "== overlapped linears: chunks on streams against the whole linear, ranks sharing the GPU"
+  local shim tp; shim=$(shim_path) || return
   for tp in 2 4; do
-    LD_PRELOAD=$shim TPFUSER_SHIM_LOG=1 NVFUSER_MASTER_PORT=$((29800 + tp)) T ${OVERLAP_S:-300} -- torchrun \
-      --standalone --nproc-per-node $tp --no-python .nvf/share_gpu.sh python3 tools/overlap_check.py \
-      --json "$OUT/overlap_tp$tp.json" > "$OUT/overlap_tp$tp.txt" 2>&1 &
+    TPFUSER_DEFAULT_STREAM_SHIM=$shim TPFUSER_SHIM_LOG=1 NVFUSER_MASTER_PORT=$((29800 + tp)) T ${OVERLAP_S:-300} -- \
+      python3 -m torch.distributed.run --standalone --nproc-per-node $tp "${SHARED_RANKS[@]}" tools/overlap_check.py --json "$OUT/overlap_tp$tp.json" > "$OUT/overlap_tp$tp.txt" 2>&1 &
   done
   wait
   grep -h "^rank 0" "$OUT"/overlap_tp*.txt | cut -c1-220
 }
 step_onehead() {
   echo "== one head per rank: the q/k/v split and its gradient in each form (tools/repro_one_head.py)"
+  local run
   for run in 2:2 2:4 8:8; do
-    NVFUSER_MASTER_PORT=$((29700 + ${run%:*} * 10 + ${run#*:})) T ${ONEHEAD_S:-240} -- torchrun --standalone \
-      --nproc-per-node ${run%:*} --no-python .nvf/share_gpu.sh python3 tools/repro_one_head.py ${run#*:} \
-      > "$OUT/onehead_tp${run%:*}_h${run#*:}.txt" 2>&1 &
+    NVFUSER_MASTER_PORT=$((29700 + ${run%:*} * 10 + ${run#*:})) T ${ONEHEAD_S:-240} -- \
+      python3 -m torch.distributed.run --standalone --nproc-per-node ${run%:*} "${SHARED_RANKS[@]}" tools/repro_one_head.py ${run#*:} > "$OUT/onehead_tp${run%:*}_h${run#*:}.txt" 2>&1 &
   done
   wait
   grep -h "^rank 0:" "$OUT"/onehead_*.txt | cut -c1-400
-}
-step_replay() {
-  echo "== bf16 train-step replays against the called block, before and after each suspect, each in its own process"
-  local suspects=${REPLAY_SUSPECTS:-nothing check_forward reference reference_without_eager called_block manual_seed unsplit_check}
-  for suspect in $suspects; do
-    T ${REPLAY_S:-480} -- python3 tools/probes/replay_probe.py $suspect ${REPLAY_ARGS:-} > "$OUT/replay_$suspect.txt" 2>&1 &
-  done
-  wait
-  for suspect in $suspects; do grep -h -E "^replay_probe|Error" "$OUT/replay_$suspect.txt" | tail -2 | cut -c1-300; done
-}
-step_copies() {
-  echo "== copy kernels of the training step, by the op and our line that launched them"
-  T ${COPIES_S:-240} -- python3 tools/probes/copy_probe.py --preset nanogpt --dtype bf16 2>&1 | tee "$OUT/copies.txt" | grep -v "^\[" | tail -30
 }
 step_gpt3() {
   echo "== benchmark: gpt3 forward at 1x1 (fewer samples: ~11 ms a call)"
@@ -251,21 +233,16 @@ step_quick() {
   done
 }
 
-step_repeat() {
-  echo "== second calls against the first, output by output (tools/probes/repeat_probe.py), tiny 1x1"
-  local sched dtype
-  for sched in ${REPEAT_SCHEDULES:-megatron megatron-whole}; do
-    for dtype in bf16; do
-      T ${REPEAT_S:-240} -- python3 tools/probes/repeat_probe.py --schedule $sched --dtype $dtype \
-        > "$OUT/repeat_${sched}_$dtype.txt" 2>&1 &
-    done
-  done
-  wait
-  grep -h -E "schedule|DIFFERS|Error" "$OUT"/repeat_*.txt | cut -c1-200 | head -30
-}
 step_race() {
-  echo "== the chunked row-parallel all-reduce's race (host IR, 4 chunks, 2 ranks sharing the GPU): without and with CUDA_DEVICE_MAX_CONNECTIONS=1"
+  echo "== the chunked row-parallel all-reduce (host IR, 4 chunks, 2 ranks sharing the GPU): with CUDA_DEVICE_MAX_CONNECTIONS=1"
   pytest_gpu race tests/test_gpu_overlap.py ""
+  echo "-- without it (a record, not a test: what the race gives, mismatch or not; race_control.json)"
+  local shim; shim=$(shim_path) || return
+  ( unset CUDA_DEVICE_MAX_CONNECTIONS
+    TPFUSER_DEFAULT_STREAM_SHIM=$shim NVFUSER_MASTER_PORT=29861 T ${OVERLAP_S:-300} -- \
+    python3 -m torch.distributed.run --standalone --nproc-per-node 2 "${SHARED_RANKS[@]}" tools/overlap_check.py --only row --chunks 1 4 --json "$OUT/race_control.json" \
+    > "$OUT/race_control.txt" 2>&1 )
+  grep -h "^rank 0" "$OUT/race_control.txt" | cut -c1-300
 }
 step_onehead2() {
   echo "== one head per rank: tiny with 2 heads at tp 2, each candidate schedule (tools/schedules/onehead-*.json)"
@@ -283,9 +260,9 @@ step_onehead2() {
 }
 step_rsrepro() {
   echo "== nvFuser 0.2.36 and a chunked reduce-scatter (tools/probes/repro_chunked_reduce_scatter.py, 2 ranks sharing the GPU)"
-  local shim; shim=$(python3 -c "from tpfuser.dist.sharegpu import build_default_stream_shim as b; print(b())") || return
-  LD_PRELOAD=$shim NVFUSER_MASTER_PORT=29871 T ${RSREPRO_S:-180} -- torchrun --standalone --nproc-per-node 2 --no-python \
-    .nvf/share_gpu.sh python3 tools/probes/repro_chunked_reduce_scatter.py > "$OUT/rsrepro.txt" 2>&1
+  local shim; shim=$(shim_path) || return
+  TPFUSER_DEFAULT_STREAM_SHIM=$shim NVFUSER_MASTER_PORT=29871 T ${RSREPRO_S:-180} -- \
+    python3 -m torch.distributed.run --standalone --nproc-per-node 2 "${SHARED_RANKS[@]}" tools/probes/repro_chunked_reduce_scatter.py > "$OUT/rsrepro.txt" 2>&1
   grep -h "^rank 0" "$OUT/rsrepro.txt" | cut -c1-400
 }
 overlap_job() {   # name, then check's arguments
@@ -333,11 +310,6 @@ step_firstcall() {
     fi
   done
 }
-step_cublas() {
-  echo "== what a cold process's first linear waits for (tools/probes/cublas_start_probe.py), a fresh process each"
-  T ${CUBLAS_S:-120} -- python3 tools/probes/cublas_start_probe.py ${CUBLAS_CASES:-} > "$OUT/cublas_start.jsonl" 2> "$OUT/cublas_start.err"
-  cut -c1-300 "$OUT/cublas_start.jsonl"
-}
 step_main() {
   echo "== make's job, timed: tpfuser main ${MAIN_ARGS:-}"
   local begun=$SECONDS rc
@@ -360,7 +332,7 @@ step_multi() {
     --deadline-s $((s - 20)) ${MULTI_ARGS:-} 2>&1 | tee "$OUT/multi.log" | tail -60
 }
 
-unset NVFUSER_MASTER_PORT   # single-process runs pick a free port (tpfuser/world.py): concurrent steps do not collide
+unset NVFUSER_MASTER_PORT   # single-process runs pick a free port (tpfuser/dist/world.py): concurrent steps do not collide
 
 # Steps joined by + run at the same time (e.g. ONLY="fwd+bwd+dp train"); their output is
 # printed when the group ends. Only put correctness steps together: timings need the GPU alone.

@@ -33,8 +33,8 @@ JOBS = {
     "nanogpt": [("nanogpt", 1, 5, False, ["fp32", "bf16"]), ("nanogpt", 2, 1, False, ["fp32", "bf16"])],
     "gpt3": [("gpt3", 1, 8, False, ["bf16"]), ("gpt3", 1, 8, True, ["bf16"])],
 }
-# Each rank compiles its own fusions (nvFuser's compile is CPU-bound): on the H200
-# machine's 16 cores (2026-12-03; NOTES-history.md), 57 ranks at once finished none in
+# Each rank compiles its own fusions (nvFuser's compile is CPU-bound): on an H200
+# machine's 16 cores (NOTES-history.md), 57 ranks at once finished none in
 # 280 s; 24 at once finished 2-rank tiny jobs in 270-350 s.
 RANKS_AT_ONCE = int(os.environ.get("RANKS_AT_ONCE", str(os.cpu_count() or 8)))
 JOB_S = int(os.environ.get("JOB_S", "480"))

@@ -1,15 +1,16 @@
-"""The overlapped linears of issue 17 (fusion.row_parallel_overlapped,
-fusion.allgather_column_parallel_overlapped) on every rank, for each number
+"""The overlapped linears (parallel.overlapped.row_parallel_overlapped,
+parallel.overlapped.allgather_column_parallel_overlapped) on every rank, for each number
 of chunks, against the same linear computed whole in float64 and against the
 1-chunk fusion (the chunking should change no sum: 1e-6 in fp32), with the
 communications nvFuser posted (NVFUSER_DUMP=communication, counted per call).
 
-    LD_PRELOAD=$(python3 -c "from tpfuser.dist.sharegpu import build_default_stream_shim as b; print(b())") \
-    torchrun --standalone --nproc-per-node 2 --no-python .nvf/share_gpu.sh \
-        python3 tools/overlap_check.py [--chunks 1 2 4] [--json OUT.json]
+    TPFUSER_DEFAULT_STREAM_SHIM=$(python3 -c "from tpfuser.dist.sharegpu import build_default_stream_shim as b; print(b())") \
+    torchrun --standalone --nproc-per-node 2 -m tpfuser.dist.sharegpu --script \
+        tools/overlap_check.py [--chunks 1 2 4] [--json OUT.json]
 
-(the preloaded shim lets ranks past the GPUs run nvFuser 0.2.36's host IR,
-which takes a rank's global index for its CUDA device: fusion.check_host_ir_device)
+(ranks sharing a GPU, each set up by tpfuser.dist.sharegpu; the preloaded shim
+lets ranks past the GPUs run nvFuser 0.2.36's host IR, which takes a rank's
+global index for its CUDA device: sharegpu.check_host_ir_device)
 
 Shapes: nanogpt's MLP c_proj (row-parallel, tokens b*s = 2048) and c_fc under
 sequence parallelism (all-gather then column-parallel). Ranks sharing a GPU

@@ -1,6 +1,8 @@
 """nvFuser 0.2.36 at one head per rank: the q/k/v split and its gradient's assembly, in each form.
 
-    torchrun --nproc-per-node TP [.nvf/share_gpu.sh] python3 tools/repro_one_head.py HEADS [FORM ...]
+    torchrun --nproc-per-node TP tools/repro_one_head.py HEADS [FORM ...]      (a GPU per rank)
+    torchrun --nproc-per-node TP -m tpfuser.dist.sharegpu --script tools/repro_one_head.py HEADS [FORM ...]
+                                                             (ranks sharing a GPU)
 
 qkv [b, s, h*3d] (rows head by head: [h, 3, d], as the block orders them) is
 split over tp on its heads; q, k and v are taken out of it and attention-like
@@ -9,8 +11,8 @@ g_q, g_k, g_v [b, h, s, d]. Each rank compares with torch.
 
 Forms (default: all):
   slice   q, k, v as slices of the (b, s, h, 3d) view, g_qkv by cat: the block's
-          form. With h == tp (one head per rank) it fails in 0.2.36 (on the
-          H200, 2026-12-03; docs/history.md): the slice is a view whose size-1
+          form. With h == tp (one head per rank) it fails in 0.2.36 (on an
+          H200, docs/history.md): the slice is a view whose size-1
           head axis the stride validator skips,
           "Expected (stride)==(expected_stride_if_contiguous). Found 24 vs 8".
   select  q, k, v by select on the 3-axis of the (b, s, h, 3, d) view (SelectOp

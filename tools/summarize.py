@@ -78,7 +78,7 @@ for which in ("nanogpt", "gpt3", "nanogpt_train", "peers_nanogpt", "peers_nanogp
         rows.append((f"bench {which} {name}", f"FAILED: {why[:150]}"))
     for name, why in b.get("skipped", {}).items():   # an optional peer not installed
         rows.append((f"bench {which} {name}", f"skipped: {why}"))
-    if b.get("warmup_s"):   # (reports since the third session of 2026-12-04)
+    if b.get("warmup_s"):   # (earlier reports lack it)
         w = b["warmup_s"]
         rows.append((f"bench {which} warm-up", f"{w['total_s']:.1f} s (building {w['built_s']:.1f}; "
                      + ", ".join(f"{n} {t:.1f}" for n, t in w["each_s"].items()) + ")"))
@@ -96,17 +96,6 @@ for path in sorted(glob.glob(os.path.join(out, "onehead_tp*_h*.txt"))):   # tool
             head, _, verdict = line[len("rank 0: "):].partition(": ")
             summary.setdefault("onehead", []).append({"case": " ".join(head.split()), "result": verdict.strip()})
             rows.append((f"one head: {' '.join(head.split())}", verdict.strip()[:160]))
-cases = [r for path in sorted(glob.glob(os.path.join(out, "bisect_*.json"))) for r in json.load(open(path))]
-if cases:
-    summary["backward_bisect"] = cases
-    for r in cases:
-        if r["outputs"] == "all":
-            rows.append((f"meshed backward tiny {r['dtype']}",
-                         "compiles and runs" if r["ok"] else f"FAILS: {r['error'][:150]}"))
-    singles = [r for r in cases if r["outputs"] != "all"]
-    if singles:
-        bad = [f"{r['dtype']}:{r['outputs'][0]}" for r in singles if not r["ok"]]
-        rows.append(("meshed backward, one output each", f"{len(singles) - len(bad)}/{len(singles)} ok; failing: {', '.join(bad)}"))
 main = os.path.join(out, "main.json")   # make's job, timed (step main)
 if os.path.exists(main):
     summary["main"] = json.load(open(main))

@@ -1,6 +1,6 @@
 """Block and layout configuration: frozen, validated where built, with presets.
 
-Dimension letters used throughout the code (see README's glossary):
+Dimension letters used throughout the code (block/tensors.py adds hd and q3):
   b batch, s sequence, e n_embd (hidden), h n_head, d head dim (= e / h),
   f MLP hidden (= 4 e), dp / tp the mesh sizes.
 """

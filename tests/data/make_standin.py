@@ -4,11 +4,11 @@ from tools/calibrate.py on the GPU (results/calibration/h200.json).
 
     python3 tests/data/make_standin.py      # rewrites the JSON beside it
 
-GEMMs at 693 TFLOP/s (gpt3's four forward GEMMs at tp 8 then take the 1.339
-ms issue 32 quotes), x (1 + 0.04 log2 chunks) when chunked; attention at 350
-TFLOP/s + 10 us, its backward 2.5x; the rest at 1.95 TB/s of the bytes they
-read and write + 6 us each (so that gpt3's tp-8 forward adds up near the
-1.754 ms the issue quotes). The whole pass: the pieces' sum x 1.03.
+GEMMs at 693 TFLOP/s (gpt3's four forward GEMMs at tp 8 then take 1.339 ms),
+x (1 + 0.04 log2 chunks) when chunked; attention at 350 TFLOP/s + 10 us, its
+backward 2.5x; the rest at 1.95 TB/s of the bytes they read and write + 6 us
+each (so that gpt3's tp-8 forward adds up near 1.754 ms). The whole pass: the
+pieces' sum x 1.03.
 """
 from __future__ import annotations
 

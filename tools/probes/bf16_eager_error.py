@@ -7,7 +7,7 @@ check's eager run replays flash attention. With nanoGPT's bf16 math attention
 
     python3 tools/probes/bf16_eager_error.py [--math] tiny nanogpt gpt3
 
-Both runs see the same bf16-rounded weights and input (as check.reference
+Both runs see the same bf16-rounded weights and input (as oracle.reference
 does); prints the output's relative L2 error, the branch's (out - x) and how
 large the branch is against x. gpt3 takes about 2 minutes and 10 GiB here.
 """

@@ -2,8 +2,9 @@
 stream axis, in the three ways a fusion can be run; prints each one's result
 or the first line of its error (docs/overlap.md quotes them).
 
-    torchrun --nproc-per-node 2 .nvf/share_gpu.sh python3 tools/probes/repro_chunked_reduce_scatter.py
-    (ranks sharing a GPU also need the default-stream shim preloaded: tpfuser.dist.sharegpu)
+    TPFUSER_DEFAULT_STREAM_SHIM=$(python3 -c "from tpfuser.dist.sharegpu import build_default_stream_shim as b; print(b())") \
+    torchrun --nproc-per-node 2 -m tpfuser.dist.sharegpu --script tools/probes/repro_chunked_reduce_scatter.py
+    (ranks sharing a GPU: tpfuser.dist.sharegpu sets each up and preloads the default-stream shim)
 
 out [t, n] = h [t, k] W^T with k split over tp and the output's tokens split over
 tp (a reduce-scatter), the reduction axis split too (as nvFuser's own

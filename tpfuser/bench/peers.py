@@ -30,7 +30,7 @@ from tpfuser.parallel.shard import qkv_blocked, qkv_heads_interleaved
 # the DTensor peers (tp > 1) need them.
 
 # DTensor's names for the plan's linears: a weight split on its output rows is
-# column-parallel, one split on its input columns row-parallel (plan.PARAM_PLACEMENTS).
+# column-parallel, one split on its input columns row-parallel (placements.PARAM_PLACEMENTS).
 TP_PLAN_NAMES = {name.removesuffix(".weight"): {0: "colwise", 1: "rowwise"}[dim]
                  for name, placement in PARAM_PLACEMENTS.items() if name.endswith(".weight")
                  for dim in placement}

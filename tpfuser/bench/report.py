@@ -1,9 +1,9 @@
 """The benchmark's report: its JSON schema and its table. Pure Python, read by
-bench.py (which writes reports), plot.py and the tests (which read them)."""
+run.py (which writes reports), plot.py and the tests (which read them)."""
 
 from __future__ import annotations
 
-# Parts of the block's work timed alone beside the implementations (bench.py,
+# Parts of the block's work timed alone beside the implementations (run.py,
 # --impl gemms,gemms+attention): never a peer.
 WORK_ONLY = ("gemms", "gemms+attention")
 
@@ -29,7 +29,7 @@ def validate_report(rep: dict) -> dict:
                 ok = isinstance(value, kind)
             if not ok:
                 raise ValueError(f"{where}.{key}: expected {kind.__name__}, got {type(value).__name__}")
-    if "forward_matmul_gflop" in rep:   # the key's name in reports before 2026-12-02's last run
+    if "forward_matmul_gflop" in rep:   # the key's earlier name (results/ keeps reports with it)
         rep.setdefault("matmul_gflop", rep["forward_matmul_gflop"])
     check(rep, REPORT_KEYS, "report")
     if not rep["results"]:
@@ -92,7 +92,7 @@ def format_table(rep: dict) -> str:
     if rep.get("gpus_shared"):
         lines[0] += (f"\nthe {rep['mesh']} ranks shared {rep['gpus_shared']} GPU(s) (--share-gpu): "
                      f"these timings are not speed figures")
-    host = all("host_ms" in r for r in rep["results"].values())   # (reports since 2026-12-03's seventh session)
+    host = all("host_ms" in r for r in rep["results"].values())   # (earlier reports lack it)
     if host:
         lines[1] += f"{'host ms':>9}"
     if any("peak_mib_above_baseline" in r for r in rep["results"].values()):

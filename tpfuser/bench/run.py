@@ -10,13 +10,13 @@ floor (the plan's bytes over the all-reduce bus bandwidth measured over tp).
 On a dp x tp mesh every rank times its share; a sample is the slowest rank's.
 eager and compile run the whole block on the rank's b/dp rows (no tensor
 parallelism); dtensor is the reference block parallelized by PyTorch over tp
-(tpfuser/peers.py). In a training step with dp > 1 every implementation sums
+(tpfuser/bench/peers.py). In a training step with dp > 1 every implementation sums
 its parameter gradients over dp (world.sum_over_group, as DDP would).
 
 Each is also timed replayed from a CUDA graph: nvfuser-graph (tpfuser.runtime.graphs,
 new masks each replay), eager-graph (eager captured by hand) and
 compile-reduce-overhead (torch.compile's CUDA-graph mode); the table gives each
-implementation's ratio to eager and to the fastest peer (benchreport.add_ratios),
+implementation's ratio to eager and to the fastest peer (report.add_ratios),
 and in a training step the memory a graph's pool holds and what every
 implementation left the allocator holding (reserved, from an emptied cache).
 More peers a user would pick, by --impl: compile-max-autotune (torch.compile's

@@ -18,7 +18,7 @@ on 32-bit values held in int64 (nvFuser's integer type). Multiplying two
 two 16-bit halves (a Python int, which cannot overflow, takes plain arithmetic:
 `_mix32_int`, tested equal). The one algorithm below runs on Python ints (the host's
 keys), on torch int64 tensors (the oracle the tests compare the fusion with),
-and, through fusion.py's adapter, on nvFuser TensorViews: all three use only
+and, through ops.int_ops's adapter, on nvFuser TensorViews: all three use only
 xor, and, shifts, add and multiplication by a constant.
 """
 

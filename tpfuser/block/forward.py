@@ -52,8 +52,8 @@ def mask_cuts(cfg: BlockConfig) -> set[str]:
     """Where the masks' own fusions (Form.masks "fusion") are cut: one fusion
     per drawn stream, then the block. Two masks in one fusion are two
     unconnected graphs, which no nvFuser scheduler takes whole: its segmenter
-    then searches the hashes' ~300 expressions (1.6-2.0 s of a first call,
-    run 46) for the two kernels a fusion each gives at once."""
+    then searches the hashes' ~300 expressions (1.6-2.0 s of a first call:
+    NOTES.md) for the two kernels a fusion each gives at once."""
     streams = drawn_streams(cfg)
     points = {f"masks.{stream}" for stream in streams[1:]}
     assert points <= set(MASK_POINTS), points

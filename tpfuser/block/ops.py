@@ -86,12 +86,6 @@ def causal_probs(fd, q, k, cfg):
     return fd.ops.div(unnorm, denom)
 
 
-def dropped_probs(fd, q, k, cfg, p, keep):
-    """(probs, probs after dropout) of the written-out attention; keep=None: no dropout."""
-    probs = causal_probs(fd, q, k, cfg)
-    return probs, (probs if keep is None else dropout(fd, probs, keep, p))
-
-
 def one_hot_3(fd, i: int, rank: int, axis: int):
     """A float tensor of `rank` dimensions, 3 long on `axis` and 1 elsewhere: 1 at i."""
     hot = fd.ops.cast(fd.ops.eq(fd.ops.iota(fd.define_scalar(3, dtype=DataType.Int)), i), DataType.Float)
@@ -139,7 +133,7 @@ def sum_rows(fd, t):
 def weight_grad(fd, g, a, rows):
     """dL/dW of y = a W^T: g^T a over all rows; g [b, s, n_out], a [b, s, n_in] -> [n_out, n_in].
     Under sequence parallelism g and a are whole (all-gathered) here: the merge of
-    b and s never merges a device-split axis (plan.BACKWARD_INTERMEDIATES)."""
+    b and s never merges a device-split axis (the backward's intermediates in tensors.TENSORS)."""
     g2 = fd.ops.reshape(g, new_shape=[rows, g.shape()[2]])   # (bs, n_out)
     a2 = fd.ops.reshape(a, new_shape=[rows, a.shape()[2]])   # (bs, n_in)
     return fd.ops.matmul(fd.ops.permute(g2, dims=[1, 0]), a2)
@@ -172,7 +166,7 @@ def layer_norm_input_grad(fd, g, xhat, rstd, weight, bse):
 
 def causal_attention_backward(fd, gy, q, k, v, probs, keep, dropped, cfg, p):
     """Gradients of q, k, v (float [b, h, s, d]) of the written-out attention,
-    given its recomputed probabilities (dropped_probs)."""
+    given its recomputed probabilities (causal_probs) and those after dropout (`dropped`)."""
     b, h, s, d = cfg.batch, cfg.n_head, cfg.seq, cfg.head_dim
     grad_v = fd.ops.matmul(fd.ops.permute(dropped, dims=[0, 1, 3, 2]), gy)    # (b, h, s, d)
     grad_dropped = fd.ops.matmul(gy, fd.ops.permute(v, dims=[0, 1, 3, 2]))   # (b, h, s, s)

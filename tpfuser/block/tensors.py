@@ -1,6 +1,6 @@
 """The block's tensors, one ordered table: what each is, its dimensions, its
 dtype and when it exists. Their placements on the mesh follow from the
-dimensions (plan.py); the fusions, the runtime, the plan, the report and the
+dimensions (placements.py); the fusions, the runtime, the plan, the report and the
 tests read this table.
 
 Dimensions are named by what they are, so that the sharding reads off them:
@@ -191,7 +191,7 @@ def memory_order(t: Tensor, cfg: BlockConfig) -> tuple[int, ...] | None:
     reads q, k, v and writes its output with the heads inside the sequence, so
     the forward writes them that way and the backward reads them that way:
     ATen copies none of them on either side (the five strided copies a nanogpt
-    bf16 training step made before, profiled on the H200, 2026-12-03; docs/history.md)."""
+    bf16 training step made before, profiled on an H200: docs/history.md)."""
     if t.flash_layout and cfg.dtype == "bf16":
         return tuple(t.dims.index(dim) for dim in FLASH_MEMORY)
     return None

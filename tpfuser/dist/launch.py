@@ -66,8 +66,8 @@ def arm_stack_dumps() -> None:
     if _STACKS_FD is None:
         try:   # the process's own stderr (not a replacement without a descriptor: pytest's), duplicated:
             # commlog.captured_communications points descriptor 2 at a file while nvFuser runs, and
-            # a rank ended there would leave its stacks in that file (two runs on the H200, 2026-12-04,
-            # printed none; docs/history.md)
+            # a rank ended there would leave its stacks in that file (two runs on an H200 printed
+            # none; docs/history.md)
             _STACKS_FD = os.dup(sys.__stderr__.fileno())
         except (AttributeError, OSError, ValueError):   # no stderr to write to: nothing to arm
             return
@@ -316,7 +316,7 @@ def shared_gpu_phases(cfg, layout: Layout) -> dict[str, int]:
     (weights, gradients, activations; in bf16 its eager bf16 run too) beside every
     rank's CUDA context; "block", every rank's shards, gradients, expected slices,
     float64 copies of its largest gradient pair and saved activations (ten times
-    over: fitted to run 58's allocator peaks, gpt3 1x8 7.3 GiB a rank, 1x8 SP 5.7)."""
+    over: fitted to an H100's allocator peaks, gpt3 1x8 7.3 GiB a rank, 1x8 SP 5.7)."""
     shapes = param_shapes(cfg)
     total = sum(math.prod(s) for s in shapes.values())
     locals_ = [math.prod(local_shape(s, PARAM_PLACEMENTS[n], layout)) for n, s in shapes.items()]
@@ -335,7 +335,7 @@ def shared_gpu_bytes(cfg, layout: Layout) -> int:
 
 
 def eager_peer_bytes(cfg) -> int:
-    """What rank 0's eager bf16 run beside the reference adds (check.eager_errors): its weights
+    """What rank 0's eager bf16 run beside the reference adds (oracle.eager_errors): its weights
     and gradients in bf16, and three float64 tensors of its largest gradient's size (rel_l2)."""
     sizes = [math.prod(s) for s in param_shapes(cfg).values()]
     return 4 * sum(sizes) + 24 * max(sizes)

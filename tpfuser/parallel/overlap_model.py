@@ -29,7 +29,7 @@ from tpfuser.parallel.placements import forward_flops
 
 # Stated defaults, to be replaced by the caller's own figures:
 BUSBW_GBPS = 360.0    # an assumed NCCL bus bandwidth over 8 NVLink GPUs; `tpfuser bench --tp N` measures it
-TFLOPS = 689.0        # bf16 matmul rate at gpt3's GEMM shapes, measured on one H200 (2026-12-03; docs/history.md)
+TFLOPS = 689.0        # bf16 matmul rate at gpt3's GEMM shapes, measured on one H200 (docs/history.md)
 
 
 @dataclass(frozen=True)

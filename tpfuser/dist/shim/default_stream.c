@@ -1,5 +1,5 @@
 /* Lets ranks that share one GPU run nvFuser 0.2.36's host IR (the overlapped
- * fusions of issue 17).
+ * fusions, parallel/overlapped.py).
  *
  * HostIrEvaluator's constructor (csrc/host_ir/evaluator.cpp at 7e04d26) asks
  * for c10::cuda::getDefaultCUDAStream(communicator->deviceId()): the global
@@ -7,10 +7,10 @@
  * every rank past the last GPU fails there ("Device index value 1 is out of
  * index range [0, 1)"). Preloaded (LD_PRELOAD), this library takes that
  * function's symbol first: an index at or past the visible device count
- * becomes -1, the current device (the one share_gpu.sh gives every rank), and
+ * becomes -1, the current device (the one tpfuser.dist.sharegpu gives every rank), and
  * every call is then passed to c10's own function. Nothing else changes.
  *
- * Built by tpfuser.sharegpu.build_default_stream_shim (gcc -shared -fPIC -O2 -fexceptions ...:
+ * Built by tpfuser.dist.sharegpu.build_default_stream_shim (gcc -shared -fPIC -O2 -fexceptions ...:
  * c10 may throw through this frame).
  * TPFUSER_SHIM_LOG=1 prints each index it changes to stderr.
  */
