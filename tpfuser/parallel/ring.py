@@ -1,8 +1,8 @@
 """nvFuser's P2P ring decompositions of a tensor-parallel linear's collective
 (a schedule's overlap "ring"), on one dp row's tp devices.
 
-Written as nvFuser's own tests write them (tests/python/multidevice/
-test_overlap.py in NVIDIA/Fuser) and lowered by its MultiDeviceExecutor with
+Written as nvFuser's own tests write them (NVIDIA/Fuser's
+tests/python/multidevice/test_overlap.py) and lowered by its MultiDeviceExecutor with
 `offset_stream_indexing_by_rank`: the stream axis has tp steps, and in step i
 rank r works on the chunk of rank (r + i) mod tp, so that each step's GEMM
 runs on the chunk in hand while the next one travels (host IR: a FOR over

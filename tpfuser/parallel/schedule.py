@@ -96,7 +96,7 @@ def placer(layout: Layout, row: int | None = None, split_unit_axes: bool = False
     An input named in seq_major (Form.seq_major) whose sequence is split over
     tp is declared sequence-major, as the reduce-scatter that made it left it;
     the outputs of its fusion are then allocated in their loop order, as every
-    fusion declares its inputs (run 47: nvFuser had laid them out as that input)."""
+    fusion declares its inputs (nvFuser had laid them out as that input: NOTES.md)."""
     mesh = make_mesh(layout, row)
     where = placements(layout)
 

@@ -5,7 +5,7 @@ The model, in milliseconds per rank:
 * The compute lane runs the pass's pieces (calibration.FORWARD_PIECES,
   BACKWARD_PIECES) one after another, in that order, each for its calibrated
   time; the communication lane runs the collectives over tp
-  (placements.collectives, backward_collectives) one after another, each for
+  (collectives.forward_collectives, backward_collectives) one after another, each for
   its time from the interconnect's table (comm.py).
 * A collective starts when the GEMM (chunk) that produces it has ended and
   the lane is free; a gather before a linear starts when the piece before the
