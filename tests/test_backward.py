@@ -80,7 +80,7 @@ def test_backward_builds_and_is_sharded_as_planned(layout, dtype):
     from tpfuser.block.backward import backward_output_names
     from tpfuser.block.forward import saved_names
     from tpfuser.block.tensors import BY_NAME, param_shapes
-    from tpfuser.parallel.schedule import build_backward, build_forward, loop_sharding
+    from tpfuser.parallel.passes import build_backward, build_forward, loop_sharding
     from tests.test_fusion import expected_loop, mesh_text, named_tensors, schedules_for
     cfg = preset("tiny", dtype=dtype)
     shapes = {**param_shapes(cfg), **saved_shapes(cfg), **{f"grad.{n}": v for n, v in param_shapes(cfg).items()},
@@ -119,7 +119,7 @@ def test_backward_builds_and_is_sharded_as_planned(layout, dtype):
 
 def test_backward_runs_on_the_ranks_tp_row():
     """The backward of dp rank r: a 1-D mesh of that row's tp devices, b/dp rows, no dp split."""
-    from tpfuser.parallel.schedule import build_backward, loop_sharding
+    from tpfuser.parallel.passes import build_backward, loop_sharding
     from tests.test_fusion import named_tensors, schedules_for
     cfg = preset("tiny")
     for schedule in schedules_for(Layout(2, 2)):
@@ -157,7 +157,7 @@ def test_fp32_backward_takes_the_masks_and_recomputes_attention_once():
     the backward takes them as bool inputs and draws none. The probabilities are
     computed once: 8 matmuls of linear gradients, q k^T, probs v, and 4 of the attention backward
     (counted over all the pass's fusions, under both schedules)."""
-    from tpfuser.parallel.schedule import build_backward, build_forward
+    from tpfuser.parallel.passes import build_backward, build_forward
     from tests.test_fusion import named_tensors, schedules_for
     cfg = preset("tiny", dtype="fp32")
     for schedule in schedules_for(Layout(1, 1)):
@@ -179,7 +179,7 @@ def test_backward_subset_keeps_only_what_its_outputs_need():
     its cut (the residual gradient, through every matmul of the MLP) whatever
     the outputs asked."""
     from tpfuser.block.backward import backward_output_names
-    from tpfuser.parallel.schedule import build_backward
+    from tpfuser.parallel.passes import build_backward
     from tests.test_fusion import schedules_for
     cfg = preset("tiny", dtype="fp32")
     bias = build_backward(cfg, Layout(1, 1), outputs=["grad.mlp.c_proj.bias"], schedule="megatron-whole")
@@ -202,7 +202,7 @@ def test_backward_reductions_each_reduce_one_axis():
     sum over a device-split axis and another axis at once to a wrong-sized copy
     (ops.sum_rows). Every reduction of the backward reduces a single axis."""
     import re
-    from tpfuser.parallel.schedule import build_backward
+    from tpfuser.parallel.passes import build_backward
     from tests.test_fusion import schedules_for
     for dtype in ("bf16", "fp32"):
         for schedule in schedules_for(Layout(1, 1)):   # all the pass's fusions
@@ -219,7 +219,7 @@ def test_backward_reads_the_saved_heads_as_the_forward_writes_them(dtype):
     attention's layout (b, s, h, d) (the forward writes them so: checked on the
     GPU), every other input contiguous; runtime/block.py's laid_out hands them
     over uncopied."""
-    from tpfuser.parallel.schedule import build_backward
+    from tpfuser.parallel.passes import build_backward
     from tpfuser.runtime.block import laid_out
     from tests.test_fusion import schedules_for
     cfg = preset("tiny", dtype=dtype)

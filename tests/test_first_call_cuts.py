@@ -8,8 +8,8 @@ import pytest
 from tpfuser.block.forward import mask_cuts
 from tpfuser.block.form import PARTIAL_SUMS
 from tpfuser.config import Layout, preset
-from tpfuser.parallel import schedule as schedule_module
-from tpfuser.parallel.schedule import build_backward, build_forward
+from tpfuser.parallel import passes
+from tpfuser.parallel.passes import build_backward, build_forward
 from tpfuser.parallel.schedules import SCHEDULES, default_schedule
 
 
@@ -52,8 +52,8 @@ def test_sequence_major_where_nvfuser_reduce_scatters(monkeypatch):
     assert SCHEDULES["megatron-sp-overlap"].form().seq_major == set()   # every linear chunked
     assert SCHEDULES["megatron-cut-linears"].form().seq_major == set()  # no SP: all-reduced, whole
     called = []
-    real = schedule_module.allocate_outermost
-    monkeypatch.setattr(schedule_module, "allocate_outermost", lambda tv, dim: (called.append(dim), real(tv, dim)))
+    real = passes.allocate_outermost
+    monkeypatch.setattr(passes, "allocate_outermost", lambda tv, dim: (called.append(dim), real(tv, dim)))
     cfg = preset("tiny", dtype="fp32")
     # attn.c_proj.out and mlp.c_proj.out in the forward; in the backward each column-parallel
     # linear's input gradient, read by its LayerNorm's two fusions: the sequence, dimension 1.
@@ -82,20 +82,20 @@ def test_fusions_defined_alike_compile_once(monkeypatch):
                                                           default_schedule(layout), device).pieces)
     run = build_forward(cfg, Layout(), train=True)
     first, second = run.pieces[0], run.pieces[1]
-    assert schedule_module.share_twins(run, default_schedule(Layout()).form(), lambda point: {}) == 1
+    assert passes.share_twins(run, default_schedule(Layout()).form(), lambda point: {}) == 1
     assert second.twin is first and first.twin is None
     calls = []
     first.fd.execute = lambda inputs, **options: calls.append((inputs, options)) or ["mask"]
     assert second.execute([7, 0], _enable_options=["x"]) == ["mask"] and calls == [([7, 0], {"_enable_options": ["x"]})]
     run = build_forward(cfg, Layout(), train=True)
-    assert schedule_module.share_twins(run, default_schedule(Layout()).form(),
+    assert passes.share_twins(run, default_schedule(Layout()).form(),
                                        lambda point: {"_enable_options": [point]}) == 0
     run = build_forward(cfg, Layout(), train=True)
     run.pieces[1].laid_out = True
-    assert schedule_module.share_twins(run, default_schedule(Layout()).form(), lambda point: {}) == 0
+    assert passes.share_twins(run, default_schedule(Layout()).form(), lambda point: {}) == 0
     run = build_forward(cfg, Layout(), train=True)   # an input declared in another memory order
-    monkeypatch.setattr(schedule_module, "declared_order", lambda name, *_: (0,) if name == "key.resid_mlp" else None)
-    assert schedule_module.share_twins(run, default_schedule(Layout()).form(), lambda point: {}) == 0
+    monkeypatch.setattr(passes, "declared_order", lambda name, *_: (0,) if name == "key.resid_mlp" else None)
+    assert passes.share_twins(run, default_schedule(Layout()).form(), lambda point: {}) == 0
     shared.forget_fusions()
 
 

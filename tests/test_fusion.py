@@ -9,7 +9,7 @@ from tpfuser.block.dropout import keep_threshold
 from tpfuser.block.inputs import rng_input_names
 from tpfuser.block.tensors import BY_NAME, PARAM_NAMES
 from tpfuser.parallel.placements import placements
-from tpfuser.parallel.schedule import build_forward, loop_sharding
+from tpfuser.parallel.passes import build_forward, loop_sharding
 from tpfuser.parallel.schedules import SCHEDULES
 
 MESHES = [Layout(1, 1), Layout(1, 2), Layout(2, 1), Layout(2, 2), Layout(1, 8), Layout(2, 4)]
@@ -153,7 +153,7 @@ def test_qkv_split_forms_build_at_one_head_per_rank(form, forward_has, backward_
     qkv, and puts their gradients back, by its own ops only (over all the
     pass's fusions, under both schedules). Whether nvFuser runs
     them is the GPU's to say (tools/repro_one_head.py, then the mesh suite)."""
-    from tpfuser.parallel.schedule import build_backward
+    from tpfuser.parallel.passes import build_backward
     for layout in (Layout(1, 8), Layout(2, 4, sp=True)):
         cfg = preset("tiny", dtype="bf16")
         for schedule in schedules_for(layout):
@@ -182,7 +182,7 @@ def test_unit_axes_split_only_where_asked(dp, tp):
     """By default no split over a mesh axis of one device (no collective over a
     team of one), and only those left out; split_unit_axes=True splits every
     placement, of one device or more."""
-    from tpfuser.parallel.schedule import build_backward, build_forward
+    from tpfuser.parallel.passes import build_backward, build_forward
     cfg, layout = preset("tiny"), Layout(dp, tp)
     for schedule in schedules_for(layout):   # the text of all the pass's fusions
         for build in (lambda s: build_forward(cfg, layout, train=True, schedule=s),
@@ -198,7 +198,7 @@ def test_unit_axes_split_only_where_asked(dp, tp):
 def test_every_point_a_schedule_offers_options_for_begins_a_fusion():
     """fusion_points (what fusion_options may name) is exactly where the passes'
     fusions begin, for every named schedule: an option it takes is applied."""
-    from tpfuser.parallel.schedule import build_backward, build_forward
+    from tpfuser.parallel.passes import build_backward, build_forward
     for name, schedule in SCHEDULES.items():
         layout = Layout(1, 1, sp=schedule.sequence_parallel)
         passes = [build(preset("tiny", dtype=dtype), layout, schedule=schedule, **train)

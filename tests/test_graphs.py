@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tpfuser.config import Layout, preset
-from tpfuser.parallel.schedule import build_forward
+from tpfuser.parallel.passes import build_forward
 from tpfuser.block.inputs import rng_input_names
 from tpfuser.parallel.schedules import SCHEDULES
 from tpfuser.runtime.block import ShardedBlock, dropout_scalars

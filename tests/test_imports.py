@@ -59,7 +59,7 @@ DEFERRABLE = ("nvfuser_direct", "torch.distributed", "torch.profiler", "matplotl
               "thunder")   # (thunder: lightning-thunder, an optional peer of the bench)
 # The package's modules that import nvFuser at their top (directly or through another).
 NVFUSER_MODULES = {"tpfuser.block.backward", "tpfuser.block.forward", "tpfuser.block.inputs", "tpfuser.block.ops",
-                   "tpfuser.block.pieces", "tpfuser.parallel.overlapped", "tpfuser.parallel.ring", "tpfuser.parallel.schedule",
+                   "tpfuser.block.pieces", "tpfuser.parallel.overlapped", "tpfuser.parallel.ring", "tpfuser.parallel.passes",
                    "tpfuser.runtime.block", "tpfuser.runtime.chunked", "tpfuser.runtime.graphs",
                    "tpfuser.runtime.module", "tpfuser.runtime.shared", "tpfuser.verify.check", "tpfuser.verify.inspect",
                    "tpfuser.verify.oracle"}

@@ -1,5 +1,5 @@
 """A row-parallel product's output that leaves its fusion split over the mesh
-must carry its reduction axis's split too (parallel/schedule.py): nvFuser
+must carry its reduction axis's split too (parallel/passes.py): nvFuser
 0.2.36 takes the fusion without it and returns partial sums. The schedule
 derives that split where a pass is cut after such a product, and validate()
 refuses a linear output left without it."""
@@ -9,7 +9,7 @@ from nvfuser_direct import DataType, FusionDefinition, ParallelType
 
 from tpfuser.block.pieces import Piece
 from tpfuser.config import Layout, preset
-from tpfuser.parallel.schedule import PARTIAL_SUMS, build_backward, build_forward, make_mesh, validate
+from tpfuser.parallel.passes import PARTIAL_SUMS, build_backward, build_forward, make_mesh, validate
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])

@@ -210,7 +210,7 @@ def test_fusion_summary_counts_what_aten_runs():
     """fp32 writes attention out: two matmuls instead of flash attention (pass_summary;
     it counts no reductions and gaps).
     The single fusion's line, and the default schedule's fusions summed."""
-    from tpfuser.parallel.schedule import build_forward
+    from tpfuser.parallel.passes import build_forward
     from tpfuser.verify.inspect import pass_summary
     cfg = preset("tiny", dtype="fp32")
     whole = pass_summary(build_forward(cfg, Layout(1, 1), schedule="megatron-whole"), SCHEDULES["megatron-whole"])

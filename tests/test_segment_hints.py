@@ -6,7 +6,7 @@ import json
 import pytest
 
 from tpfuser.config import Layout, preset
-from tpfuser.parallel.schedule import build_pass
+from tpfuser.parallel.passes import build_pass
 from tpfuser.parallel.schedules import SCHEDULES, load_schedule
 
 HINTS = ["attn.c_attn", "attn.c_proj.out", "grad:mlp.c_fc", "grad:attn.c_attn"]

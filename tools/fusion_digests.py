@@ -15,7 +15,7 @@ import json
 import sys
 
 from tpfuser.config import PRESETS, Layout, preset
-from tpfuser.parallel.schedule import build_backward, build_forward
+from tpfuser.parallel.passes import build_backward, build_forward
 
 MESHES = [(1, 1), (2, 1), (1, 2), (2, 2), (1, 8), (2, 4)]
 

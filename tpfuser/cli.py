@@ -35,7 +35,7 @@ from tpfuser.predict.command import add_predict_arguments, check_predict_argumen
 from tpfuser.verify.dtypes import check_side_by_side, side_by_side_refusal
 from tpfuser.verify.meshes import run_checks
 
-# Deferred to the commands that run fusions: tpfuser.parallel.schedule and
+# Deferred to the commands that run fusions: tpfuser.parallel.passes and
 # tpfuser.verify.inspect (show, main), tpfuser.runtime.chunked (check). They
 # import nvFuser, which `plan` and every refusal must not: under a launcher
 # without CUDA its import aborts the process at exit, and check's
@@ -107,7 +107,7 @@ def preflight(args) -> None:
 
 
 def cmd_show(args) -> int:
-    from tpfuser.parallel.schedule import build_pass
+    from tpfuser.parallel.passes import build_pass
     from tpfuser.verify.inspect import pass_summary, pass_text
     cfg, layout, schedule = _cfg(args)
     kind = "backward" if args.backward else "forward"
@@ -179,7 +179,7 @@ def cmd_main(args) -> int:
         args.forward_only, args.collectives, args.share_gpu, args.json = False, False, False, None
         args.graphs = False
         return cmd_check(args)
-    from tpfuser.parallel.schedule import build_forward
+    from tpfuser.parallel.passes import build_forward
     from tpfuser.verify.inspect import pass_summary
     print(f"{args.preset}: one GPT-2 block, batch {cfg.batch}, seq {cfg.seq}, n_embd {cfg.n_embd}, {cfg.n_head} heads "
           f"of {cfg.head_dim}, dropout {cfg.dropout}, {cfg.dtype}; mesh dp {layout.dp} x tp {layout.tp}")

@@ -89,7 +89,7 @@ def main() -> int:
     ap.add_argument("--schedule", default="megatron-cut-linears")
     ap.add_argument("--forward", action="store_true", help="the forward alone, not the training step")
     ap.add_argument("--no-twins", action="store_true",
-                    help="every fusion compiled, those defined alike too (schedule.share_twins)")
+                    help="every fusion compiled, those defined alike too (passes.share_twins)")
     args = ap.parse_args()
     if args.line:
         with open(args.line) as f:

@@ -1,6 +1,6 @@
 """How the block's passes are written as fusions: the choices that change the
 fusions' text but neither the math nor where anything runs (a schedule picks
-them, parallel/schedules.py; the mesh is applied apart, parallel/schedule.py)."""
+them, parallel/schedules.py; the mesh is applied apart, parallel/passes.py)."""
 
 from __future__ import annotations
 

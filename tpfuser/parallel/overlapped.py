@@ -18,7 +18,7 @@ from tpfuser.block.ops import NV_DTYPE
 from tpfuser.block.pieces import Piece
 from tpfuser.config import Layout
 from tpfuser.parallel.placements import DP, TP
-from tpfuser.parallel.schedule import apply_placement, make_mesh, validate
+from tpfuser.parallel.passes import apply_placement, make_mesh, validate
 
 @dataclass
 class OverlapFusion:

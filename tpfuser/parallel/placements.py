@@ -12,7 +12,7 @@ Megatron-LM tensor parallelism (Shoeybi et al., 2019) on a dp x tp mesh:
 LayerNorms, residuals and the residual dropouts are replicated over tp. The
 batch is split over dp everywhere and never resharded; weights are replicated
 over dp. Each tensor's placement follows from its dimensions in tensors.py
-(`placement`); the schedule (schedule.py), the weight slicer (shard.py), the
+(`placement`); the schedule (passes.py), the weight slicer (shard.py), the
 `plan` command and the tests all read `placements`.
 """
 
@@ -79,7 +79,7 @@ def placements(layout: Layout) -> dict[str, Placement]:
     """Every named tensor's placement under this layout's parallelism.
     Parameter gradients are laid out like their parameters and replicated over
     dp: the backward runs on each dp rank's tp row and the runtime sums them
-    over dp after it (schedule.build_pass says why)."""
+    over dp after it (passes.build_pass says why)."""
     return {t.name: placement(t, layout.sp) for t in TENSORS}
 
 

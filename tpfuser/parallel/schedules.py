@@ -6,7 +6,7 @@ all-gather in or reduce-scatter out) and how its collective runs (in stream
 chunks along the tokens, overlapped with the GEMM, or whole); and, for the
 whole block, where its passes are cut into fusions, how the dropout masks
 and q, k, v are written, and nVFuser's options. The fusion definitions know
-none of it (block/); parallel/schedule.py applies it.
+none of it (block/); parallel/passes.py applies it.
 
     SCHEDULES["megatron"]                                  # the named ones
     load_schedule("megatron-sp")                           # a name, a dict or a JSON file's path
@@ -38,7 +38,7 @@ class Schedule:
     adds its own (fusion_cuts). segment_hints: points kept inside one fusion
     where nvFuser's segmenter is told to end a kernel (Form.hints; 1x1 only).
     masks, qkv_split, flash_layout, keys_on_device: block/form.py's. split_unit_axes: also split over a mesh axis of
-    one device (parallel/schedule.apply_placement). enable_options, disable_options: nvFuser's, for every fusion (a
+    one device (parallel/passes.apply_placement). enable_options, disable_options: nvFuser's, for every fusion (a
     chunk's too; overlap "streams" runs its host IR with its own); fusion_options: more for some fusions, by the cut
     point each begins at ("" the first), e.g. {"mlp.c_fc.out": {"disable_options": ["infer_contiguity"]}}.
     mesh=False: the fusions without a device mesh (1x1 only), run by nvFuser's single-device executor.

@@ -5,7 +5,7 @@
     out = block(block.shard_input(x))["out"]      # this rank's [b/dp, s, e]
 
 A 1x1 mesh is the same code path. Each pass (the forward, the training
-forward, the backward) is a few fusions (parallel/schedule.build_pass), run
+forward, the backward) is a few fusions (parallel/passes.build_pass), run
 in order: every input by name from what the caller gave and what the earlier
 fusions returned. Inputs are validated before nvFuser sees them, so a wrong
 shape, dtype or device is a ValueError that names the tensor.
@@ -24,7 +24,7 @@ from tpfuser.block.tensors import BY_NAME, MASKS, PARAM_NAMES, memory_order, par
 from tpfuser.config import BlockConfig, Layout, check_config, check_flags
 from tpfuser.dist.world import check_group, describe_single_process, sum_over_group
 from tpfuser.parallel.placements import PARAM_PLACEMENTS, local_shape, placements
-from tpfuser.parallel.schedule import Pass
+from tpfuser.parallel.passes import Pass
 from tpfuser.parallel.schedules import Schedule, default_schedule, known_failure, load_schedule
 from tpfuser.parallel.shard import local_slice, slice_starts
 from tpfuser.runtime import kernel_cache, shared

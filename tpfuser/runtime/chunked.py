@@ -139,7 +139,7 @@ class SideStreamChunks:
         self.a_name = next(n for n in self.names if not n.startswith(linear))
         self.order = [self.a_name, f"{linear}.weight"] + ([f"{linear}.bias"] if f"{linear}.bias" in self.names else [])
         self.layout, self.tp = block.layout, block.layout.tp
-        self.backward = run.kind == "backward"   # on the dp rank's tp devices alone (schedule.build_pass)
+        self.backward = run.kind == "backward"   # on the dp rank's tp devices alone (passes.build_pass)
         self.split_unit_axes = block.schedule.split_unit_axes
         self.options = block._piece_options(run, piece)   # the schedule's nvFuser options for the piece it runs
         self._fd = None

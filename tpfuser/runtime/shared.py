@@ -11,7 +11,7 @@ import json
 import torch
 
 from tpfuser.config import BlockConfig, Layout
-from tpfuser.parallel.schedule import Pass, build_pass, share_twins
+from tpfuser.parallel.passes import Pass, build_pass, share_twins
 from tpfuser.parallel.schedules import Schedule
 
 _PASSES: dict[tuple, Pass] = {}

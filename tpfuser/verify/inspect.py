@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from tpfuser.parallel.schedule import Pass
+from tpfuser.parallel.passes import Pass
 
 _TV = re.compile(r"\bT(\d+)_([gl])_")
 
