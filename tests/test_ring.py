@@ -171,3 +171,23 @@ def test_a_ring_runs_on_one_dp_row_and_a_team_of_one_runs_whole():
         SCHEDULES["megatron-sp-ring"].check(preset("tiny"), Layout(2, 2, sp=True))
     colls = forward_collectives(preset("nanogpt"), Layout(1, 1, sp=True), SCHEDULES["megatron-sp-ring"])
     assert {c.algorithm for c in colls} == {"whole"} and all("team of one" in c.whole_because for c in colls)
+
+
+def test_the_check_table_shows_each_phases_rings():
+    from tpfuser.verify.check import RankReport
+    from tpfuser.verify.meshes import format_checks
+    program = {"steps": 2, "p2p": []}
+
+    def rank(r, lowered, matches):
+        rings = {"planned": [program] * 4 if lowered is not None else 4, "lowered": lowered, "matches": matches}
+        return RankReport("tiny", "fp32", 0.1, "1x2", True, r,
+                          forward={"rel_err": 2e-8, "branch_rel_err": 5e-7, "tolerance": 1e-5, "mask_mismatches": {}},
+                          collectives={"forward": {"posted": [], "planned": [], "matches": matches is not False,
+                                                   "rings": rings}}).as_dict()
+    report = {"environment": {"gpu": "H100", "gpus_shared": 1}, "preset": "tiny", "mesh": "1x2", "sp": True,
+              "cases": [{"dtype": "fp32", "dropout": 0.1,
+                         "ranks": [rank(0, [program] * 4, True), rank(1, None, None), rank(1, [program] * 3, False)]}],
+              "ok": False}
+    lines = format_checks(report).splitlines()
+    assert lines[2].endswith("0/0+r4/4  ok") and lines[3].endswith("0/0+r?/4  ok")
+    assert lines[4].endswith("0/0+r3/4!  FAIL")

@@ -124,6 +124,14 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.1e}"
 
 
+def _rings(rings: dict | None) -> str:
+    """A phase's rings in the table: +r lowered/planned, +r?/planned where nvFuser printed none (not rank 0)."""
+    if not rings:
+        return ""
+    planned = rings["planned"] if isinstance(rings["planned"], int) else len(rings["planned"])
+    return f"+r{'?' if rings['lowered'] is None else len(rings['lowered'])}/{planned}"
+
+
 def format_checks(report: dict, only_last: bool = False) -> str:
     """One line a rank and case: errors against tolerances, masks, collectives.
     only_last: the header and the last case only (printed as each case ends)."""
@@ -145,7 +153,8 @@ def format_checks(report: dict, only_last: bool = False) -> str:
             wrong = sum(fwd["mask_mismatches"].values()) + sum((bwd or {}).get("mask_mismatches", {}).values())
             masks = "-" if not fwd["mask_mismatches"] else "equal" if wrong == 0 else f"{wrong} off"
             colls = "-" if coll is None else " ".join(
-                f"{len(ph['posted'])}/{len(ph['planned'])}" + ("" if ph["matches"] else "!") for ph in coll.values())
+                f"{len(ph['posted'])}/{len(ph['planned'])}" + _rings(ph.get("rings")) + ("" if ph["matches"] else "!")
+                for ph in coll.values())
             graphs = r.get("graphs")
             if graphs is not None:
                 colls += " graphs " + ("equal" if all(v for v in graphs.values() if isinstance(v, bool)) else
@@ -158,7 +167,8 @@ def format_checks(report: dict, only_last: bool = False) -> str:
                          f"{_fmt(bwd and bwd['worst']):>10} {_fmt(bwd and bwd['tolerance']):>7} {masks:>6} {colls:>11}  "
                          + ("ok" if r["ok"] else "FAIL")
                          + (f" (over their bounds: {', '.join(bwd['over_bound'])})" if bwd and bwd.get("over_bound") else ""))
-    lines.append("collectives: posted/planned per fusion (forward, training forward, backward); ! = differs from the plan")
+    lines.append("collectives: posted/planned per fusion (forward, training forward, backward); +r lowered/planned: "
+                 "the P2P rings (rank 0's: nvFuser prints host IR there alone, ? elsewhere); ! = differs from the plan")
     if not only_last or report.get("complete", True):
         lines.append("all ranks within tolerance" if report["ok"] else "SOME RANK FAILED")
     return "\n".join(lines)
