@@ -14,7 +14,7 @@
 #           captures' time); TRAIN_IMPLS, BENCH_IMPLS, GPT3_IMPLS: --impl for each (default: the
 #           bench's); the GPU's clocks and power sampled meanwhile (clocks_<step>.csv)
 #   peers, peersgpt3  benchmarks against the peers a user would pick (torch.compile max-autotune, Thunder:
-#           its wheels installed first, INSTALL.txt beside them), with --profile (each kernel against its work,
+#           its wheels from tools/peer_wheels.sh installed first), with --profile (each kernel against its work,
 #           the idle gaps): nanogpt fwd then fwd+bwd; gpt3 fwd. PEERS_IMPLS, PEERS_TRAIN_IMPLS, PEERS_GPT3_IMPLS:
 #           --impl for each; bounds PEERS_S, PEERS_TRAIN_S, PEERS_GPT3_S (max-autotune tunes GEMMs for minutes)
 #   mesh    every mesh checked to the end, forward and backward, its ranks sharing the GPU
