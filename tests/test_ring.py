@@ -191,3 +191,15 @@ def test_the_check_table_shows_each_phases_rings():
     lines = format_checks(report).splitlines()
     assert lines[2].endswith("0/0+r4/4  ok") and lines[3].endswith("0/0+r?/4  ok")
     assert lines[4].endswith("0/0+r3/4!  FAIL")
+
+
+def test_bench_refuses_a_graph_of_a_ring_schedule_and_leaves_it_out_by_default(capsys, monkeypatch):
+    from tpfuser.bench import cli as bench_cli
+    from tpfuser.cli import main
+    assert main(["bench", "--schedule", "megatron-sp-ring", "--impl", "nvfuser-graph"]) == 2
+    assert "implementation 'nvfuser-graph': schedule 'megatron-sp-ring' runs" in capsys.readouterr().err
+    seen = {}
+    monkeypatch.setattr(bench_cli, "check_impls", lambda impls, *a, **k: seen.setdefault("impls", list(impls)))
+    monkeypatch.setattr(bench_cli, "check_launch", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no further")))
+    assert main(["bench", "--schedule", "megatron-sp-ring"]) == 2
+    assert "nvfuser" in seen["impls"] and not any(i.startswith("nvfuser-graph") for i in seen["impls"])
