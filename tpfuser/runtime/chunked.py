@@ -254,8 +254,8 @@ class RingSteps:
         a, w = named[self.a_name], named[f"{self.c.linear}.weight"]
         if self.c.kind == "allgather":
             return [self._allgather(a, w, named.get(f"{self.c.linear}.bias"))]
-        out = self._reducescatter(a, w)
-        return [out + named[f"{self.c.linear}.bias"] if self.bias else out]
+        out = self._reducescatter(a, w)   # a tensor of its own (ring_output): the bias is added in place
+        return [out.add_(named[f"{self.c.linear}.bias"]) if self.bias else out]
 
     def _allgather(self, a, w, bias):
         if self._executor is None:
@@ -310,6 +310,9 @@ def ring_output(kind: str, out: torch.Tensor, shape, tp: int) -> torch.Tensor:
     allocation cache hands `out` back on the next call): all-gather [tp, b s/tp, n] (rank j's tokens in
     step j) -> [b, s, n], the sequence rank-major; reduce-scatter [1, b s/tp, n] -> [b, s/tp, n]."""
     b, s = shape[:2]
-    if kind == "allgather":
-        return out.view(tp, b, s, -1).transpose(0, 1).reshape(b, tp * s, -1).clone()
-    return out.view(b, s // tp, -1).clone()
+    if kind == "reducescatter":
+        return out.view(b, s // tp, -1).clone()
+    n = out.shape[-1]
+    whole = out.new_empty(b, tp * s, n)
+    whole.view(b, tp, s, n).copy_(out.view(tp, b, s, n).transpose(0, 1))   # one copy, whatever b
+    return whole
