@@ -43,8 +43,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tpfuser.config import PRESETS, Layout, preset  # noqa: E402
-from tpfuser.predict.calibration import (CHUNKS, FORMAT, LINEARS, SEQUENCE_SPLIT, Calibration,  # noqa: E402
-                                         check_sums)
+from tpfuser.block.form import LINEARS  # noqa: E402
+from tpfuser.predict.calibration import CHUNKS, FORMAT, SEQUENCE_SPLIT, Calibration, check_sums  # noqa: E402
 
 try:
     import triton

@@ -28,10 +28,10 @@ import os
 import re
 from dataclasses import dataclass
 
+from tpfuser.block.form import LINEARS
 from tpfuser.outputs import read_json
 
 FORMAT = "tpfuser-calibration/1"
-LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 CHUNKS = (1, 2, 4, 8)
 # In the order the passes run them (tools/calibrate.py's rank pass, block/forward.py, block/backward.py).
 FORWARD_PIECES = ("ln_1", "attn.c_attn", "qkv_split", "attention", "heads_join", "attn.c_proj", "resid_attn",
