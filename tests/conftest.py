@@ -1,8 +1,17 @@
 import json
 import os
+import signal
 
 import pytest
 import torch
+
+# The signal tests send SIGINT and SIGHUP to processes they start, which inherit this
+# process's dispositions: a suite started in the background (nohup, or `&` without job
+# control) has them ignored, and its children would never see them. Their defaults,
+# for every process the suite starts.
+for _sig, _handler in ((signal.SIGINT, signal.default_int_handler), (signal.SIGHUP, signal.SIG_DFL)):
+    if signal.getsignal(_sig) == signal.SIG_IGN:
+        signal.signal(_sig, _handler)
 
 
 def pytest_collection_modifyitems(config, items):
