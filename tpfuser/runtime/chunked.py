@@ -58,6 +58,13 @@ def chunked_pieces(schedule, cfg, layout) -> dict[tuple[str, str], Collective]:
             for c in all_collectives(cfg, layout, schedule) if runs_beside_gemm(c)}
 
 
+def refuse_capture(linear: str, overlap: str) -> None:
+    """Refuse, under CUDA-graph capture, a linear run by nvFuser's host IR (overlap streams or ring)."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{linear}: overlap {overlap!r} (nvFuser 0.2.36's host IR, its MultiDeviceExecutor) cannot "
+                           f"be captured in a CUDA graph; run it called, or use overlap 'fusions'")
+
+
 class ChunkedLinears:
     """The runners of one block's chunked linears, made at their first use."""
 
@@ -203,9 +210,7 @@ class StreamAxisChunks:
         self._of = None
 
     def __call__(self, inputs: list) -> list:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{self.linear}: overlap 'streams' (nvFuser 0.2.36's host IR) cannot be captured "
-                               f"in a CUDA graph; run it called, or use overlap 'fusions'")
+        refuse_capture(self.linear, "streams")
         named = dict(zip(self.names, inputs))
         a, w = named[self.a_name], named[f"{self.linear}.weight"]
         tp = self.block.layout.tp
@@ -247,9 +252,7 @@ class RingSteps:
         self._w_key = None
 
     def __call__(self, inputs: list) -> list:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{self.c.linear}: overlap 'ring' (nvFuser 0.2.36's MultiDeviceExecutor) cannot be "
-                               f"captured in a CUDA graph; run it called, or use overlap 'fusions'")
+        refuse_capture(self.c.linear, "ring")
         named = dict(zip(self.names, inputs))
         a, w = named[self.a_name], named[f"{self.c.linear}.weight"]
         if self.c.kind == "allgather":
