@@ -150,9 +150,8 @@ def cmd_check(args) -> int:
     cfgs, layout, schedule = _check_cfgs(args)
     args.schedule = schedule
     if args.collectives:   # before nvFuser is imported: it reads its options once (host_ir: a ring's P2P steps)
-        rings = any(plan.overlap == "ring" for plan in schedule.chunked().values())
         os.environ["NVFUSER_DUMP"] = ",".join(filter(None, [os.environ.get("NVFUSER_DUMP"), "communication",
-                                                            "host_ir" if rings else ""]))
+                                                            "host_ir" if schedule.overlapped("ring") else ""]))
     if layout.world_size > 1 and not in_launcher():
         if args.share_gpu:
             for cfg in cfgs:

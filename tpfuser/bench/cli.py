@@ -109,7 +109,7 @@ def bench_main(args, argv) -> int:
                 return relaunch(layout, ["bench", *argv], share_gpu=args.share_gpu, schedule=schedule)
             rank = init_rank(layout)
             groups = rank_groups(layout, rank)
-        if rank == 0 and any(plan.overlap == "ring" for plan in schedule.chunked().values()):
+        if rank == 0 and schedule.overlapped("ring"):
             print(RING_NOTE if layout.tp == 1 or args.share_gpu else RING_NOTE_TP, file=sys.stderr)
         rep = bench(args.preset, impls, iters, dropout=args.dropout, train=args.train, layout=layout,
                     rank=rank, groups=groups, progress=rank == 0, profile=args.profile, schedule=schedule)

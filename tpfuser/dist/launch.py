@@ -293,7 +293,7 @@ def relaunch(layout: Layout, argv: list[str] | None = None, share_gpu: bool = Fa
     if schedule is not None and schedule.chunked():
         from tpfuser.runtime.chunked import CONNECTIONS_VAR
         environ[CONNECTIONS_VAR] = "1"
-        if share_gpu and gpus < layout.world_size and any(p.overlap in EXECUTOR_OVERLAPS for p in schedule.chunked().values()):
+        if share_gpu and gpus < layout.world_size and schedule.overlapped(*EXECUTOR_OVERLAPS):
             environ.setdefault(SHIM_VARIABLE, build_default_stream_shim())
     cmd, env = torchrun_command(layout, sys.argv[1:] if argv is None else argv, environ,
                                 shared_gpus=min(gpus, layout.world_size) if share_gpu else 0)

@@ -29,7 +29,7 @@ what nvFuser posted and the runtime's chunked linears all read these records.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from tpfuser.block.tensors import param_shapes
 from tpfuser.config import BlockConfig, Layout
@@ -147,9 +147,9 @@ def _as_run(c: Collective, schedule, tp: int) -> Collective:
     why = whole_because(plan.overlap, c.kind, c.phase, c.site) or (ONE_RANK if plan.overlap == "ring" and tp == 1
                                                                    else "")
     if why:
-        return Collective(**{**asdict(c), "whole_because": why})
-    chunks = tp if plan.overlap == "ring" else plan.chunks
-    return Collective(**{**asdict(c), "algorithm": plan.overlap, "chunks": chunks, "backend": plan.collective})
+        return replace(c, whole_because=why)
+    return replace(c, algorithm=plan.overlap, chunks=tp if plan.overlap == "ring" else plan.chunks,
+                   backend=plan.collective)
 
 
 def _pairs() -> list[tuple[str, str]]:
@@ -232,8 +232,10 @@ def all_collectives(cfg: BlockConfig, layout: Layout, schedule=None) -> list[Col
     return forward_collectives(cfg, layout, schedule) + backward_collectives(cfg, layout, schedule)
 
 
-# The cut point where a linear's fusion begins, by the site of a collective its runner takes over.
-POINTS = {"input": "{linear}", "output": "{linear}", "grad_input": "grad:{linear}.in"}
+def cut_point(site: str, linear: str) -> str:
+    """The cut point where the fusion a runner takes over begins: the linear's own in the forward (site input or
+    output), its input-gradient matmul's in the backward (grad_input)."""
+    return f"grad:{linear}.in" if site == "grad_input" else linear
 
 
 def runner_sites(style: str) -> list[tuple[str, str, str]]:

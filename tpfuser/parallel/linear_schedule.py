@@ -79,8 +79,7 @@ class ChunksRefused(ValueError):
 def graphs_refused(schedule) -> str | None:
     """Why a schedule's block cannot be captured in a CUDA graph (a line), or None: the linears it runs
     through nvFuser's MultiDeviceExecutor (EXECUTOR_OVERLAPS), whose capture fails in nvFuser 0.2.36."""
-    executor = [name for name, plan in schedule.chunked().items() if plan.overlap in EXECUTOR_OVERLAPS]
-    if not executor:
+    if not (executor := schedule.overlapped(*EXECUTOR_OVERLAPS)):
         return None
     return (f"schedule {schedule.name!r} runs {', '.join(executor)} through nvFuser's MultiDeviceExecutor "
             f"(overlap {schedule.linears[executor[0]].overlap!r}), which nvFuser 0.2.36 cannot capture in a CUDA "

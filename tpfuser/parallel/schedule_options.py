@@ -39,8 +39,7 @@ def resolve_schedule(args):
         if not schedule.chunked():
             raise ValueError(f"--chunks={args.chunks}: schedule {schedule.name!r} chunks no linear "
                              f"(an overlapped schedule does: megatron-overlap, megatron-sp-overlap)")
-        rings = [name for name, plan in schedule.chunked().items() if plan.overlap == "ring"]
-        if rings:
+        if rings := schedule.overlapped("ring"):
             raise ValueError(f"--chunks={args.chunks}: schedule {schedule.name!r} runs {', '.join(rings)} as rings, "
                              f"a step per rank of tp; --chunks sets the chunks of overlap 'fusions' or 'streams'")
         given = {"chunks": args.chunks, **({"overlap": "none"} if args.chunks == 1 else {})}   # 1: run them whole

@@ -25,7 +25,7 @@ from tpfuser.block.form import BACKWARD_CUTS, FORWARD_CUTS, LINEARS, MASK_FORMS,
 from tpfuser.block.form import PARTIAL_SUMS
 from tpfuser.config import BlockConfig, Layout, frozen, thawed
 from tpfuser.outputs import read_json
-from tpfuser.parallel.collectives import POINTS, runner_sites, whole_because
+from tpfuser.parallel.collectives import cut_point, runner_sites, whole_because
 from tpfuser.parallel.linear_schedule import (COLUMN, EXECUTOR_OVERLAPS, ROW, ChunksRefused, LinearSchedule,
                                               refuse as _refuse)
 from tpfuser.parallel.placements import LINEAR_STYLES
@@ -116,6 +116,10 @@ class Schedule:
         """The linears whose collectives run beside their GEMMs: in chunks, or as a ring."""
         return {name: plan for name, plan in self.linears.items() if plan.overlap != "none"}
 
+    def overlapped(self, *forms: str) -> list[str]:
+        """The linears whose collective runs in one of these overlap forms (OVERLAPS), in LINEARS order."""
+        return [name for name, plan in self.linears.items() if plan.overlap in forms]
+
     def fusion_cuts(self) -> frozenset[str]:
         """Every cut: the schedule's, and around each chunked linear (a fusion of
         its own): before and after it in the forward, and before and after a
@@ -130,7 +134,7 @@ class Schedule:
     def executor_points(self) -> frozenset[str]:
         """The cut points whose fusion the runtime hands to nvFuser's MultiDeviceExecutor (EXECUTOR_OVERLAPS) with
         options of its own: a linear's collective it runs there, not whole (collectives.whole_because)."""
-        return frozenset(POINTS[site].format(linear=linear) for linear, plan in self.chunked().items()
+        return frozenset(cut_point(site, linear) for linear, plan in self.chunked().items()
                          if plan.overlap in EXECUTOR_OVERLAPS for phase, site, kind in runner_sites(plan.style)
                          if not whole_because(plan.overlap, kind, phase, site))
 
@@ -153,18 +157,12 @@ class Schedule:
 
     def check(self, cfg: BlockConfig, layout: Layout) -> None:
         """Refuse, in one line, what this schedule cannot do for this block on this mesh."""
-        rings = [name for name, plan in self.chunked().items() if plan.overlap == "ring"]
-        if rings and layout.dp != 1:
+        if (rings := self.overlapped("ring")) and layout.dp != 1:
             raise ValueError(f"schedule {self.name!r}: overlap 'ring' ({', '.join(rings)}) runs on a 1 x tp mesh, got "
                              f"{layout.dp}x{layout.tp}: nvFuser 0.2.36 numbers a ring's peers by the global rank "
                              f"modulo tp (csrc/host_ir/pass/stream_parallel_type.cpp), so dp row 1's ranks wait on "
                              f"row 0's; docs/overlap.md")
-        for linear, plan in self.chunked().items():
-            if plan.overlap == "ring" and plan.chunks not in (1, layout.tp):
-                raise ValueError(f"schedule field 'linears.{linear}.chunks': expected {layout.tp} (a ring runs one "
-                                 f"step per rank of tp = {layout.tp}) or left out, got {plan.chunks}")
-        streams = [name for name, plan in self.chunked().items() if plan.overlap == "streams"]
-        if streams and layout.dp != 1:
+        if (streams := self.overlapped("streams")) and layout.dp != 1:
             raise ValueError(f"schedule {self.name!r}: overlap 'streams' ({', '.join(streams)}) runs on a 1 x tp "
                              f"mesh (nvFuser 0.2.36's host IR lowering, tried on one dp row only), got "
                              f"{layout.dp}x{layout.tp}; overlap 'fusions' runs on any mesh")
@@ -179,8 +177,11 @@ class Schedule:
         if not self.mesh and layout.world_size != 1:
             raise ValueError(f"schedule {self.name!r}: mesh=false needs a 1x1 layout, got {layout.dp}x{layout.tp}")
         for linear, plan in self.chunked().items():
-            if plan.overlap == "ring":
-                continue   # a step per rank: the rank's part of the sequence, whatever its length
+            if plan.overlap == "ring":   # a step per rank: the rank's part of the sequence, whatever its length
+                if plan.chunks not in (1, layout.tp):
+                    raise ValueError(f"schedule field 'linears.{linear}.chunks': expected {layout.tp} (a ring runs "
+                                     f"one step per rank of tp = {layout.tp}) or left out, got {plan.chunks}")
+                continue
             rows = cfg.seq // layout.tp if plan.sequence_parallel else cfg.batch // layout.dp * cfg.seq
             what = "the rank's part of the sequence (s/tp)" if plan.sequence_parallel else "the rank's tokens (b/dp x s)"
             if rows % plan.chunks:

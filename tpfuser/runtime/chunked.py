@@ -27,7 +27,7 @@ import os
 import torch
 
 from tpfuser.dist.sharegpu import check_host_ir_device
-from tpfuser.parallel.collectives import POINTS, Collective, all_collectives, runs_beside_gemm
+from tpfuser.parallel.collectives import Collective, all_collectives, cut_point, runs_beside_gemm
 from tpfuser.parallel.overlapped import (OVERLAP_OPTIONS, allgather_column_parallel_overlapped, chunk_fusion,
                                          row_parallel_overlapped, run_allgather_overlapped)
 from tpfuser.parallel.ring import allgather_linear, matmul_reducescatter, ring_executor
@@ -54,7 +54,7 @@ PATTERN = {"allreduce": "rows", "allgather": "gather", "reducescatter": "scatter
 def chunked_pieces(schedule, cfg, layout) -> dict[tuple[str, str], Collective]:
     """{(phase, cut point): the collective} of every linear whose fusion the runtime runs with its
     collective beside the GEMM (collectives.runs_beside_gemm): the point its fusion begins at in that phase."""
-    return {(c.phase, POINTS[c.site].format(linear=c.linear)): c
+    return {(c.phase, cut_point(c.site, c.linear)): c
             for c in all_collectives(cfg, layout, schedule) if runs_beside_gemm(c)}
 
 
@@ -304,7 +304,7 @@ def ring_input(kind: str, a: torch.Tensor, tp: int, into: torch.Tensor) -> torch
     if kind == "allgather":
         return into.view_as(a).copy_(a)
     b, s, k = a.shape
-    into.view(tp, b, s // tp, k).copy_(a.reshape(b, tp, s // tp, k).transpose(0, 1))   # (a copy where a is strided)
+    into.view(tp, b, s // tp, k).copy_(a.unflatten(1, (tp, s // tp)).transpose(0, 1))   # (a view, any strides)
     return into
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+from tpfuser.parallel.linear_schedule import EXECUTOR_OVERLAPS
 from tpfuser.parallel.passes import Pass
 
 _TV = re.compile(r"\bT(\d+)_([gl])_")
@@ -69,7 +70,7 @@ def host_ir_text(cfg, layout, schedule) -> str:
     """What to run to see the host IR of a schedule's stream-chunked linears:
     nvFuser 0.2.36 lowers a fusion to host IR when it first runs, on the ranks
     of its mesh, so the text comes from a run (NVFUSER_DUMP=host_ir)."""
-    streams = [name for name, plan in schedule.chunked().items() if plan.overlap in ("streams", "ring")]
+    streams = schedule.overlapped(*EXECUTOR_OVERLAPS)
     if not streams:
         return (f"schedule {schedule.name!r} has no linear on nvFuser's stream axis (overlap 'streams' or 'ring'): "
                 f"nothing is lowered to host IR")
