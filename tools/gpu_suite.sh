@@ -13,10 +13,12 @@
 #           half); bounds TRAIN_S, BENCH_S, GPT3_S (the graph peers add torch.compile's and the
 #           captures' time); TRAIN_IMPLS, BENCH_IMPLS, GPT3_IMPLS: --impl for each (default: the
 #           bench's); the GPU's clocks and power sampled meanwhile (clocks_<step>.csv)
-#   peers, peersgpt3  benchmarks against the peers a user would pick (torch.compile max-autotune, Thunder:
-#           its wheels from tools/peer_wheels.sh installed first), with --profile (each kernel against its work,
-#           the idle gaps): nanogpt fwd then fwd+bwd; gpt3 fwd. PEERS_IMPLS, PEERS_TRAIN_IMPLS, PEERS_GPT3_IMPLS:
+#   peers, peersfwd, peerstrain, peersgpt3  benchmarks against the peers a user would pick (torch.compile
+#           max-autotune, Thunder: its wheels from tools/peer_wheels.sh installed first), with --profile (each
+#           kernel against its work, the idle gaps): nanogpt fwd then fwd+bwd (peersfwd, peerstrain: one); gpt3 fwd. PEERS_IMPLS, PEERS_TRAIN_IMPLS, PEERS_GPT3_IMPLS:
 #           --impl for each; bounds PEERS_S, PEERS_TRAIN_S, PEERS_GPT3_S (max-autotune tunes GEMMs for minutes)
+#   fmprobe  nvFuser's own matmul kernels (fuse_matmul) on a linear and its epilogues, against ATen's GEMM
+#           (tools/probes/fuse_matmul_probe.py; FMPROBE_PRESETS, default "nanogpt gpt3"); bound FMPROBE_S
 #   mesh    every mesh checked to the end, forward and backward, its ranks sharing the GPU
 #           (tools/mesh_suite.py; MESH picks groups or jobs, default "tiny nanogpt gpt3"; bound MESH_S)
 #   overlap  the overlapped linears (tools/overlap_check.py) at tp 2 and 4, side by side, ranks sharing
@@ -170,10 +172,14 @@ step_gpt3() {
     --iters $(((${ITERS:-30} + 1) / 2)) ${GPT3_IMPLS:+--impl "$GPT3_IMPLS"} 2>&1 | tee "$OUT/gpt3.log"
 }
 PEERS="compile-reduce-overhead,compile-max-autotune,thunder,thunder-graph"
-step_peers() {
-  echo "== benchmark: nanogpt forward, then its training step, against torch.compile max-autotune and Thunder, profiled"
+step_peers() { step_peersfwd; step_peerstrain; }
+step_peersfwd() {
+  echo "== benchmark: nanogpt forward against torch.compile max-autotune and Thunder, profiled"
   clocks peers T ${PEERS_S:-240} -- python3 -m tpfuser.bench --preset nanogpt --profile --json "$OUT/bench_peers_nanogpt.json" \
     --iters $((${ITERS:-30} * 3)) --impl "${PEERS_IMPLS:-nvfuser-graph,nvfuser,eager,$PEERS,gemms,gemms+attention}" 2>&1 | tee "$OUT/peers.log"
+}
+step_peerstrain() {
+  echo "== benchmark: nanogpt training step against torch.compile max-autotune and Thunder, profiled"
   clocks peers_train T ${PEERS_TRAIN_S:-360} -- python3 -m tpfuser.bench --preset nanogpt --train --profile \
     --json "$OUT/bench_peers_nanogpt_train.json" --iters ${ITERS:-30} \
     --impl "${PEERS_TRAIN_IMPLS:-nvfuser-graph,nvfuser,eager,$PEERS}" 2>&1 | tee "$OUT/peers_train.log"
@@ -182,6 +188,12 @@ step_peersgpt3() {
   echo "== benchmark: gpt3 forward against torch.compile max-autotune and Thunder, profiled"
   clocks peersgpt3 T ${PEERS_GPT3_S:-300} -- python3 -m tpfuser.bench --preset gpt3 --profile --json "$OUT/bench_peers_gpt3.json" \
     --iters $(((${ITERS:-30} + 1) / 2)) --impl "${PEERS_GPT3_IMPLS:-nvfuser-graph,eager,$PEERS}" 2>&1 | tee "$OUT/peersgpt3.log"
+}
+
+step_fmprobe() {
+  echo "== nvFuser's own matmul kernels (fuse_matmul) at the block's shapes, against ATen's GEMM (tools/probes/fuse_matmul_probe.py)"
+  T ${FMPROBE_S:-200} -- python3 tools/probes/fuse_matmul_probe.py --preset ${FMPROBE_PRESETS:-nanogpt gpt3} \
+    --json "$OUT/fmprobe.json" 2>&1 | tee "$OUT/fmprobe.log" | grep -v "^\[" | tail -20
 }
 
 step_startup() {

@@ -1,0 +1,139 @@
+"""Does nvFuser 0.2.36's own matmul kernel (`fuse_matmul`) take a linear and its
+neighbours' pointwise work at the block's shapes, and is it as fast as ATen's GEMM?
+
+    python3 tools/probes/fuse_matmul_probe.py [--preset nanogpt] [--json out.json]
+
+One GPU, no mesh, bf16. Each case is a small fusion written here (not the
+block's): a linear alone, with its bias, in 2D or 3D, then with the epilogues
+the block would give it (c_fc: bias + GELU-tanh; a row-parallel c_proj: bias +
+residual). Each runs as nvFuser runs it by default (ATen's GEMM, nvFuser's
+kernels around it) and with fuse_matmul; against PyTorch eager on the same
+inputs (the oracle: max abs error, and the time). A case that fails says where
+nvFuser raised (its first line). Kernels: the names one profiled call ran.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+from nvfuser_direct import DataType, FusionDefinition
+
+from tpfuser.config import preset
+
+
+def gelu_tanh(fd, x):   # GELU, tanh approximation, on fp32 values
+    c = math.sqrt(2.0 / math.pi)
+    inner = fd.ops.mul(fd.ops.add(x, fd.ops.mul(fd.ops.mul(fd.ops.mul(x, x), x), 0.044715)), c)
+    return fd.ops.mul(fd.ops.mul(x, 0.5), fd.ops.add(fd.ops.tanh(inner), 1.0))
+
+
+def define(case: str, dims: int):
+    """The fusion of one case: (FusionDefinition, the PyTorch function it computes)."""
+    bf16 = DataType.BFloat16
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1] * dims, contiguity=True, dtype=bf16)
+        w = fd.define_tensor([-1, -1], contiguity=True, dtype=bf16)
+        bias = fd.define_tensor([-1], contiguity=True, dtype=bf16) if case != "linear" else None
+        res = fd.define_tensor([-1] * dims, contiguity=True, dtype=bf16) if case == "bias+residual" else None
+        if case in ("linear", "linear+bias"):
+            y = fd.ops.linear(x, w, bias)
+        elif case == "bias+gelu":   # c_fc: bias and GELU in the epilogue
+            y = fd.ops.cast(gelu_tanh(fd, fd.ops.cast(fd.ops.linear(x, w, bias), DataType.Float)), bf16)
+        else:   # a row-parallel linear's output: its bias added after the GEMM, then the residual
+            y = fd.ops.linear(x, w)
+            y = fd.ops.add(fd.ops.add(fd.ops.cast(y, DataType.Float), fd.ops.cast(bias, DataType.Float)),
+                           fd.ops.cast(res, DataType.Float))
+            y = fd.ops.cast(y, bf16)
+        fd.add_output(y)
+
+    def torch_fn(x, w, bias=None, res=None):
+        if case in ("linear", "linear+bias"):
+            return F.linear(x, w, bias)
+        if case == "bias+gelu":
+            return F.gelu(F.linear(x, w, bias).float(), approximate="tanh").to(x.dtype)
+        return (F.linear(x, w).float() + bias.float() + res.float()).to(x.dtype)
+    return fd, torch_fn
+
+
+def timed_ms(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def kernels(fn) -> list[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name[:90] for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    where = next((ln for ln in lines if ".cpp:" in ln or ".h:" in ln), "")
+    return f"{type(e).__name__}: {lines[0][:300] if lines else ''}" + (f" [{where[:200]}]" if where else "")
+
+
+def run_case(case: str, dims: int, m_shape, k: int, n: int, iters: int) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(*m_shape, k, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)).to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
+    res = torch.randn(*m_shape, n, device="cuda", generator=gen).to(torch.bfloat16)
+    inputs = [x, w] + ([bias] if case != "linear" else []) + ([res] if case == "bias+residual" else [])
+    fd, torch_fn = define(case, dims)
+    want = torch_fn(*inputs)
+    out = {"case": case, "dims": dims, "m": list(m_shape), "k": k, "n": n,
+           "eager_ms": timed_ms(lambda: torch_fn(*inputs), iters), "eager_kernels": kernels(lambda: torch_fn(*inputs))}
+    for mode, opts in (("aten", []), ("fuse_matmul", ["fuse_matmul"])):
+        call = (lambda o: lambda: fd.execute(inputs, _enable_options=o))(opts)
+        try:
+            got = call()[0]
+            out[mode] = {"ok": True, "max_abs_err": (got.float() - want.float()).abs().max().item(),
+                         "ms": timed_ms(call, iters), "kernels": kernels(call)}
+        except Exception as e:   # nvFuser's own error, recorded: what this probe is for
+            out[mode] = {"ok": False, "error": first_line(e)}
+        torch.cuda.synchronize()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", nargs="+", default=["nanogpt"])
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    rows = []
+    for name in args.preset:
+        cfg = preset(name)
+        e, tokens = cfg.n_embd, (cfg.batch, cfg.seq)
+        for case, dims, k, n in (("linear", 2, e, 4 * e), ("linear+bias", 2, e, 4 * e), ("linear+bias", 3, e, 4 * e),
+                                 ("bias+gelu", 2, e, 4 * e), ("bias+gelu", 3, e, 4 * e),
+                                 ("bias+residual", 3, 4 * e, e)):
+            m_shape = (tokens[0] * tokens[1],) if dims == 2 else tokens
+            row = {"preset": name, **run_case(case, dims, m_shape, k, n, args.iters)}
+            rows.append(row)
+            cells = [f"{mode} " + (f"{row[mode]['ms']:.4f} ms err {row[mode]['max_abs_err']:.2g}" if row[mode]["ok"]
+                                   else row[mode]["error"][:160]) for mode in ("aten", "fuse_matmul")]
+            print(f"{name} {case} {dims}d: eager {row['eager_ms']:.4f} ms | " + " | ".join(cells), flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
