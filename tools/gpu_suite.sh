@@ -218,8 +218,8 @@ quick_job() {   # name, then check's arguments
   local name=$1; shift
   T ${QUICK_S:-300} -- python3 -m tpfuser.cli check --collectives --json "$OUT/quick_$name.json" "$@" > "$OUT/quick_$name.txt" 2>&1
 }
-quick_tag() {   # a quick job's file tag: JOB, or JOB_SCHEDULE for JOB@SCHEDULE
-  local j=$1; [[ $j == *@* ]] && echo "${j%%@*}_${j#*@}" || echo "$j"
+quick_tag() {   # a quick job's file tag: JOB, or JOB_SCHEDULE for JOB@SCHEDULE (a file's path with . for /)
+  local j=${1//\//.}; [[ $j == *@* ]] && echo "${j%%@*}_${j#*@}" || echo "$j"
 }
 step_quick() {
   echo "== correctness at the default and overlapped schedules (ranks sharing the GPU)"

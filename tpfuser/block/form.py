@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 #   onehot  sums over that 3-axis times a one-hot made from iota; the gradient
 #           the sum of the three broadcast on it times their one-hots
 #           (pointwise: neither a view nor a cat). Exact for finite values.
-QKV_SPLITS = ("slice", "select", "onehot")
+#   view    slices of the (b, s, h, 3d) view left as views of qkv: no kernel, flash attention
+#           reads the strided q, k and v (the backward takes them with any strides); the gradient by cat.
+QKV_SPLITS = ("slice", "select", "onehot", "view")
 # Where the dropout keep-masks are drawn (dropout.py's hash of the global position):
 #   inline  inside the fusion that applies them;
 #   fusion  by fusions of their own, one a mask, first in the pass (pointwise only), read

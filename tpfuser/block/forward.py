@@ -77,15 +77,16 @@ def split_heads(b, qkv, cfg: BlockConfig, form: Form):
     (Form.qkv_split says how)."""
     bs, s, h, d = cfg.batch, cfg.seq, cfg.n_head, cfg.head_dim
     dtype, ops = NV_DTYPE[cfg.torch_dtype], b.ops
-    if form.qkv_split == "slice":   # reshape before slicing, so that the tp split (on heads) is not sliced
+    if form.qkv_split in ("slice", "view"):   # reshape before slicing, so that the tp split (on heads) is not sliced
         qkv = ops.reshape(qkv, new_shape=[bs, s, h, 3 * d])   # (b, s, h, 3d)
     else:
         qkv = ops.reshape(qkv, new_shape=[bs, s, h, 3, d])    # (b, s, h, 3, d)
 
     def part(i):
-        if form.qkv_split == "slice":
+        if form.qkv_split in ("slice", "view"):
             t = ops.slice(qkv, start_indices=[0, 0, 0, i * d], end_indices=[bs, s, h, (i + 1) * d])   # (b, s, h, d)
-            t = ops.cast(ops.mul(ops.cast(t, DataType.Float), 1.0), dtype)
+            if form.qkv_split == "slice":
+                t = ops.cast(ops.mul(ops.cast(t, DataType.Float), 1.0), dtype)
         elif form.qkv_split == "select":
             t = ops.select(qkv, b.define_scalar(i, dtype=DataType.Int), dim=3)
         else:
@@ -136,7 +137,7 @@ def define_forward(b: Pieces, cfg: BlockConfig, form: Form, check: bool = False,
         y, lse, seed, offset = ops.sdpfa_fwd(q, k, v, dropout_p=b.define_scalar(p, dtype=DataType.Double),
                                              is_causal=b.define_scalar(True, dtype=DataType.Bool), scale=None)
         if form.flash_layout:   # as the table says: q, k, v and y as flash attention holds them
-            for name, tv in (("q", q), ("k", k), ("v", v), ("sdpa_out", y)):
+            for name, tv in ((("q", q), ("k", k), ("v", v)) if form.qkv_split != "view" else ()) + (("sdpa_out", y),):
                 lay_out(tv, memory_order(BY_NAME[name], cfg))
         for name, tv in (("sdpa_out", y), ("sdpa_lse", lse), ("sdpa_seed", seed), ("sdpa_offset", offset)):
             out(name, tv)
