@@ -146,7 +146,8 @@ def test_dropout_scalar_inputs(dtype, dropout, scalars):
 
 
 @pytest.mark.parametrize("form, forward_has, backward_has", [
-    ("slice", {"slice"}, {"cat"}), ("select", {"select"}, {"cat"}), ("onehot", set(), set())])
+    ("slice", {"slice"}, {"cat"}), ("select", {"select"}, {"cat"}), ("onehot", set(), set()),
+    ("view", {"slice"}, {"cat"})])
 def test_qkv_split_forms_build_at_one_head_per_rank(form, forward_has, backward_has):
     """The schedule's qkv_split (was TPFUSER_QKV_SPLIT), the experiment for one head per rank:
     each form builds on tiny's 1x8 and 2x4 SP meshes and takes q, k and v out of
@@ -164,16 +165,35 @@ def test_qkv_split_forms_build_at_one_head_per_rank(form, forward_has, backward_
             assert {op for op in ("cat",) if op in backward} == backward_has
 
 
+def test_qkv_split_view_computes_nothing_on_q_k_v():
+    """qkv_split "view": q, k and v are qkv's slices as they are (slice's three
+    multiplications by one, each a kernel of its own, are gone), and the
+    backward declares them with free strides (views of qkv arrive strided)
+    where slice's declares them contiguous; sdpa_out (b, h, s, d too) stays
+    contiguous in both."""
+    from tpfuser.parallel.passes import build_backward
+    cfg, layout = preset("tiny", dtype="bf16"), Layout(1, 2)
+    bhsd = f"shape={[cfg.batch, cfg.n_head, cfg.seq, cfg.head_dim]}"
+    for form, muls, free in (("slice", 3, 0), ("view", 0, 3)):
+        schedule = SCHEDULES["megatron"].replace(qkv_split=form)
+        assert build_forward(cfg, layout, train=True, schedule=schedule).text().count("* double(1)") == muls
+        declared = [line for piece in build_backward(cfg, layout, schedule=schedule).pieces
+                    for line in str(piece.fd).splitlines() if bhsd in line]
+        assert len(declared) == 4   # q, k, v, sdpa_out
+        assert sum("contiguity=[False, False, False, False]" in line for line in declared) == free
+        assert sum("contiguity=[True, True, True, True]" in line for line in declared) == 4 - free
+
+
 def test_qkv_split_is_checked_where_it_is_set():
     """The q/k/v split is the schedule's qkv_split field (TPFUSER_QKV_SPLIT is
     gone): a wrong one is refused where the schedule (or the Form) is made."""
     from tpfuser.block.form import Form
     from tpfuser.parallel.schedules import load_schedule
-    with pytest.raises(ValueError, match=re.escape("'qkv_split': expected one of slice, select, onehot, got 'slices'")):
+    with pytest.raises(ValueError, match=re.escape("'qkv_split': expected one of slice, select, onehot, view, got 'slices'")):
         load_schedule({"qkv_split": "slices"})
-    with pytest.raises(ValueError, match=re.escape("'qkv_split': expected one of slice, select, onehot, got 'slices'")):
+    with pytest.raises(ValueError, match=re.escape("'qkv_split': expected one of slice, select, onehot, view, got 'slices'")):
         SCHEDULES["megatron"].replace(qkv_split="slices")
-    with pytest.raises(ValueError, match=re.escape("qkv_split='slices': expected one of slice, select, onehot")):
+    with pytest.raises(ValueError, match=re.escape("qkv_split='slices': expected one of slice, select, onehot, view")):
         Form(qkv_split="slices")
 
 
