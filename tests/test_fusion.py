@@ -158,7 +158,7 @@ def test_qkv_split_forms_build_at_one_head_per_rank(form, forward_has, backward_
     for layout in (Layout(1, 8), Layout(2, 4, sp=True)):
         cfg = preset("tiny", dtype="bf16")
         for schedule in schedules_for(layout):
-            schedule = schedule.replace(qkv_split=form)
+            schedule = schedule.replace(qkv_split=form, experimental=form == "view")
             forward = build_forward(cfg, layout, train=True, schedule=schedule).text()
             backward = build_backward(cfg, layout, schedule=schedule).text()
             assert {op for op in ("slice", "select") if op in forward} == forward_has
@@ -175,13 +175,23 @@ def test_qkv_split_view_computes_nothing_on_q_k_v():
     cfg, layout = preset("tiny", dtype="bf16"), Layout(1, 2)
     bhsd = f"shape={[cfg.batch, cfg.n_head, cfg.seq, cfg.head_dim]}"
     for form, muls, free in (("slice", 3, 0), ("view", 0, 3)):
-        schedule = SCHEDULES["megatron"].replace(qkv_split=form)
+        schedule = SCHEDULES["megatron"].replace(qkv_split=form, experimental=form == "view")
         assert build_forward(cfg, layout, train=True, schedule=schedule).text().count("* double(1)") == muls
         declared = [line for piece in build_backward(cfg, layout, schedule=schedule).pieces
                     for line in str(piece.fd).splitlines() if bhsd in line]
         assert len(declared) == 4   # q, k, v, sdpa_out
         assert sum("contiguity=[False, False, False, False]" in line for line in declared) == free
         assert sum("contiguity=[True, True, True, True]" in line for line in declared) == 4 - free
+        # all four in flash attention's order (b, s, h, d), which nvFuser gives the gradients of q, k, v
+        assert all("stride_order=[3, 1, 2, 0]" in line for line in declared)
+
+
+def test_qkv_split_view_is_refused_unless_experimental():
+    """'view' has not run through a training step on a GPU: refused in one line, naming why, unless experimental."""
+    with pytest.raises(ValueError, match=r"'qkv_split': expected .*'view' is experimental: its training step failed "
+                                         r".*experimental: true runs it\), got 'view'"):
+        SCHEDULES["megatron"].replace(qkv_split="view")
+    assert SCHEDULES["megatron"].replace(qkv_split="view", experimental=True).qkv_split == "view"
 
 
 def test_qkv_split_is_checked_where_it_is_set():

@@ -62,8 +62,9 @@ def input_definer(cfg: BlockConfig, form: Form):
             return fd.define_scalar(dtype=DataType.Int)
         t = BY_NAME[name]
         dtype = NV_DTYPE[cfg.torch_dtype] if t.dtype == "block" else _KINDS[t.dtype]
-        if form.qkv_split == "view" and name in ("q", "k", "v"):   # views of qkv (forward.split_heads): any strides
-            return fd.define_tensor(shape=list(t.shape(cfg)), contiguity=[False] * len(t.dims), dtype=dtype)
-        return fd.define_tensor(shape=list(t.shape(cfg)), contiguity=True, dtype=dtype,
-                                stride_order=stride_order(declared_order(name, cfg, form)))
+        # q, k, v as views of qkv (forward.split_heads "view"): any strides, in flash attention's order, which
+        # nvFuser gives its gradients (declared in the logical order, ATen's flash-ordered gradients failed its check)
+        free = form.qkv_split == "view" and name in ("q", "k", "v")
+        return fd.define_tensor(shape=list(t.shape(cfg)), contiguity=[False] * len(t.dims) if free else True,
+                                dtype=dtype, stride_order=stride_order(declared_order(name, cfg, form)))
     return define_input
