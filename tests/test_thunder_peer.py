@@ -89,8 +89,10 @@ def test_a_failed_training_step_is_that_implementations_entry(monkeypatch):
     monkeypatch.setattr(impls, "_warm_then_memory", lambda step: [step() for _ in range(2)] and {})  # (no CUDA)
     cfg = preset("tiny", dropout=0.0)
     ref, x = make_block(cfg), make_input(cfg)
+    said = []
     fns, memory, failed = impls.train_fns(cfg, ref, x, ["thunder", "thunder-graph"], Layout(), 0, None,
-                                          SCHEDULES["megatron"])
+                                          SCHEDULES["megatron"], announce=said.append)
+    assert said == ["warming up thunder", "warming up thunder-graph"]   # a warm-up that never ends names itself
     assert failed == {"thunder-graph": "AssertionError: called on augmented forward twice without backward in between"}
     assert list(fns) == ["thunder"] and memory["thunder"]["saved_activation_mib"] > 0
     fns["thunder"]()

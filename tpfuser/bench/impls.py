@@ -21,10 +21,9 @@ from tpfuser.config import Layout
 from tpfuser.dist.world import sum_over_group
 from tpfuser.parallel.schedules import known_failure, load_schedule
 from tpfuser.verify.reference import sdpa_forward
-# Deferred: the runtime (tpfuser.runtime.block, .graphs, .module: nvFuser) is
-# imported where a block is made, not here: bench's options and refusals
-# (bench/cli.py) come before any nvFuser import, which would abort the process
-# at exit under a launcher without CUDA.
+# Deferred: the runtime (tpfuser.runtime.block, .graphs, .module: nvFuser) is imported where a block is made:
+# bench's refusals (bench/cli.py) come before any nvFuser import, which would abort the process at exit
+# under a launcher without CUDA.
 
 
 # WORK_ONLY (benchreport): not implementations of the block but parts of its
@@ -40,9 +39,9 @@ GRAPH_TREES = {"compile-reduce-overhead": "reduce-overhead", "compile-max-autotu
 
 # nvFuser's block under the bench's schedule, called (NVFUSER_CALLED) and
 # replayed from a CUDA graph (NVFUSER_GRAPHED; runtime/graphs.py), each with
-# what it changes in that schedule. Asked for by --impl only: nvfuser-graph-fm,
-# nvFuser's own matmul kernels (fuse_matmul), their neighbours' pointwise work
-# fused in, where ATen's run otherwise. eager-graph is eager captured by hand,
+# what it changes in that schedule. Asked for by --impl only: nvfuser-graph-fm, fuse_matmul on (nvFuser's
+# matmul scheduler may take a linear with its neighbours where ATen's GEMM does not take it; a lone linear
+# stays ATen's, and its compiles can take minutes: NOTES.md). eager-graph is eager captured by hand,
 # compile-reduce-overhead torch.compile's own CUDA-graph mode.
 NVFUSER_CALLED = {"nvfuser": {}, "nvfuser-nomesh": {"mesh": False}}
 NVFUSER_GRAPHED = {"nvfuser-graph": {}, "nvfuser-graph-fm": {"enable_options": ("fuse_matmul",)}}
@@ -238,9 +237,9 @@ class graphed_callable:
         self.graph.replay()
 
 
-def train_fns(cfg, ref, x, impls, layout, rank, groups, schedule):
-    """One training step each (forward, backward, parameter gradients summed
-    over dp when dp > 1, then dropped), and its peak memory and saved-activation bytes."""
+def train_fns(cfg, ref, x, impls, layout, rank, groups, schedule, announce=lambda what: None):
+    """One training step each (forward, backward, parameter gradients summed over dp when dp > 1, then
+    dropped), its peak memory and saved-activation bytes; announce(what) as each begins its warm-up."""
     grad = torch.randn_like(x)
     x = x.detach().requires_grad_(True)   # as inside a model: every implementation computes the input's gradient
     fns, memory, forwards, failed = {}, {}, {}, {}
@@ -273,6 +272,7 @@ def train_fns(cfg, ref, x, impls, layout, rank, groups, schedule):
             for p in ps:
                 p.grad = None
             x.grad = None
+        announce(f"warming up {impl}")
         try:
             memory[impl] = _warm_then_memory(step)
         except Exception as e:  # e.g. nvFuser failing to compile: report it, time the others
@@ -283,6 +283,7 @@ def train_fns(cfg, ref, x, impls, layout, rank, groups, schedule):
         fns[impl] = step
     graphed = _graphed_train_fns(cfg, ref, x, grad, impls, layout, rank, groups, schedule)
     for impl, (step, pool) in graphed.items():
+        announce(f"warming up {impl}")
         try:
             memory[impl] = {**_warm_then_memory(step), "graph_pool_mib": pool() / 2**20}
         except Exception as e:

@@ -103,11 +103,12 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
         fns = forward_fns(cfg, ref, x, impls, layout, rank, groups, schedule)
         ctx = torch.no_grad()
     else:
-        fns, memory, failed = train_fns(cfg, ref, x, impls, layout, rank, groups, schedule)
+        fns, memory, failed = train_fns(cfg, ref, x, impls, layout, rank, groups, schedule, announce=phase)
         ctx = torch.enable_grad()
     warm = {"built_s": time.perf_counter() - began, "each_s": {}}   # (the training steps' first calls are built's)
     with ctx:
         for name, fn in list(fns.items()):
+            phase(f"warming up {name}")   # a compile that never ends shows whose it is
             began_one = time.perf_counter()
             try:
                 for _ in range(warmup):
