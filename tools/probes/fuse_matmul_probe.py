@@ -7,8 +7,9 @@ One GPU, no mesh, bf16. Each case is a small fusion written here (not the
 block's): a linear alone, with its bias, in 2D or 3D, then with the epilogues
 the block would give it (c_fc: bias + GELU-tanh; a row-parallel c_proj: bias +
 residual). Each runs as nvFuser runs it by default (ATen's GEMM, nvFuser's
-kernels around it) and with fuse_matmul; against PyTorch eager on the same
-inputs (the oracle: max abs error, and the time). A case that fails says where
+kernels around it), with fuse_matmul, and with nvFuser's own matmul kernel
+made to take it (MODES); against PyTorch eager on the same inputs (the
+oracle: max abs error, and the time). A case that fails says where
 nvFuser raised (its first line). Kernels: the names one profiled call ran.
 """
 from __future__ import annotations
@@ -59,6 +60,12 @@ def define(case: str, dims: int):
     return fd, torch_fn
 
 
+# How nvFuser runs each case. fuse_matmul alone lets its matmul scheduler take a linear, but ATen's GEMM
+# (ExprEval) comes first for a lone one; with matmul_expr_eval off nvFuser's own matmul kernel must take it.
+MODES = {"aten": {}, "fuse_matmul": {"_enable_options": ["fuse_matmul"]},
+         "nvfuser_matmul": {"_enable_options": ["fuse_matmul"], "_disable_options": ["matmul_expr_eval"]}}
+
+
 def timed_ms(fn, iters: int) -> float:
     for _ in range(3):
         fn()
@@ -98,8 +105,8 @@ def run_case(case: str, dims: int, m_shape, k: int, n: int, iters: int) -> dict:
     want = torch_fn(*inputs)
     out = {"case": case, "dims": dims, "m": list(m_shape), "k": k, "n": n,
            "eager_ms": timed_ms(lambda: torch_fn(*inputs), iters), "eager_kernels": kernels(lambda: torch_fn(*inputs))}
-    for mode, opts in (("aten", []), ("fuse_matmul", ["fuse_matmul"])):
-        call = (lambda o: lambda: fd.execute(inputs, _enable_options=o))(opts)
+    for mode, opts in MODES.items():
+        call = (lambda o: lambda: fd.execute(inputs, **o))(opts)
         try:
             got = call()[0]
             out[mode] = {"ok": True, "max_abs_err": (got.float() - want.float()).abs().max().item(),
@@ -127,7 +134,7 @@ def main(argv=None) -> int:
             row = {"preset": name, **run_case(case, dims, m_shape, k, n, args.iters)}
             rows.append(row)
             cells = [f"{mode} " + (f"{row[mode]['ms']:.4f} ms err {row[mode]['max_abs_err']:.2g}" if row[mode]["ok"]
-                                   else row[mode]["error"][:160]) for mode in ("aten", "fuse_matmul")]
+                                   else row[mode]["error"][:160]) for mode in MODES]
             print(f"{name} {case} {dims}d: eager {row['eager_ms']:.4f} ms | " + " | ".join(cells), flush=True)
             if args.json:
                 with open(args.json, "w") as f:
