@@ -235,3 +235,24 @@ def test_every_point_a_schedule_offers_options_for_begins_a_fusion():
                   for dtype in ("bf16", "fp32")   # (fp32 draws the attention's mask too)
                   for build, train in ((build_forward, {"train": True}), (build_backward, {}))]
         assert {p.point for ps in passes for p in ps.pieces} == schedule.fusion_points(), name
+
+
+def test_inline_masks_schedules_draw_each_mask_where_it_is_applied():
+    """megatron-inline-masks (and its SP twin) are the default's cuts with no
+    mask fusions: each keep-mask is drawn (the hash's xors) inside the fusion
+    that applies it, after its linear's output; the training forward still
+    returns both masks for the backward."""
+    from tpfuser.parallel.schedules import default_schedule
+    cfg = preset("tiny", dtype="bf16")
+    for layout in (Layout(1, 2), Layout(1, 2, sp=True)):
+        default, inline = default_schedule(layout), SCHEDULES["megatron-sp-inline-masks" if layout.sp
+                                                               else "megatron-inline-masks"]
+        assert inline.cuts == default.cuts and inline.masks == "inline" != default.masks
+        points = {s.name: [p.point for p in build_forward(cfg, layout, train=True, schedule=s).pieces]
+                  for s in (default, inline)}
+        assert {"masks", "masks.resid_mlp"} <= set(points[default.name])
+        assert points[inline.name] == [p for p in points[default.name] if not p.startswith("masks")]
+        run = build_forward(cfg, layout, train=True, schedule=inline)
+        hashing = [p.point for p in run.pieces if "^" in p.fd.fusion.print_math()]
+        assert hashing == ["attn.c_proj.out", "mlp.c_proj.out"]
+        assert {"resid_attn_keep", "resid_mlp_keep"} <= set(run.outputs)

@@ -231,6 +231,10 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
     # Cut before and after every linear: each a fusion of its own (what an overlap experiment starts from).
     _megatron("megatron-cut-linears", sp=False, cuts=ALL_CUTS),
     _megatron("megatron-sp-cut-linears", sp=True, cuts=ALL_CUTS),
+    # ... each dropout mask drawn inside the fusion that applies it: two kernels fewer a forward, replayed
+    # faster, at the cost of a first call about twice as long (NVRTC compiles the hash into larger kernels).
+    _megatron("megatron-inline-masks", sp=False, cuts=ALL_CUTS, masks="inline"),
+    _megatron("megatron-sp-inline-masks", sp=True, cuts=ALL_CUTS, masks="inline"),
     # Overlap, each chunk a fusion on a side stream: under TP the row-parallel linears' all-reduces
     # and (backward) the column-parallel ones' input-gradient all-reduces; under SP the all-gathers
     # before the column-parallel linears and the reduce-scatters after the row-parallel ones (and
