@@ -54,7 +54,7 @@ def test_every_process_runs_with_multicast_off_down_to_the_ranks(monkeypatch):
     steps = multigpu.plan_steps(jobs, "gpu_out/x", _args(), environ)
     assert len(steps) == 2 * 4 + 4 * sum(j.schedule is not None for j in jobs) + 2 * sum(j.schedule is None for j in jobs)
     assert [s.id for s in steps[:2]] == ["comm/tp8", "calibrate/tp8"]   # each tp's curves and pieces before its jobs
-    assert steps[2 + 4 * 12 + 4].id == "comm/tp5"                       # (gpt3 at tp 8: 12 schedules, 2 peers)
+    assert steps[2 + 4 * len(SCHEDULES) + 4].id == "comm/tp5"   # (gpt3 at tp 8: every schedule, 4 steps each; 2 peers)
     for step in steps:
         assert {k: step.env.get(k) for k in MULTICAST_OFF} == MULTICAST_OFF, step.id
         assert "NVFUSER_MASTER_PORT" not in step.env
