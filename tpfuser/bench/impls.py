@@ -170,7 +170,7 @@ def forward_fns(cfg, ref, x, impls, layout, rank, groups, schedule):
     for impl in _nvfuser(impls, NVFUSER_CALLED):
         nv = ShardedBlock(cfg, layout, rank, schedule=nvfuser_schedule(schedule, impl)).load(ref.state_dict())
         fns[impl] = lambda nv=nv, steps=_step_offsets(): nv(x, 1234, next(steps))["out"]
-    for impl in _nvfuser(impls, NVFUSER_GRAPHED):   # x where its graph reads it: no copy a call, as the graph peers
+    for impl in _nvfuser(impls, NVFUSER_GRAPHED):   # x where its graph reads it: no copy a call, as compile's graphs
         block = ShardedBlock(cfg, layout, rank, schedule=nvfuser_schedule(schedule, impl, graphed=True))
         (graphed := GraphedForward(block.load(ref.state_dict()))).x.copy_(x)
         fns[impl] = lambda graphed=graphed, steps=_step_offsets(): graphed(graphed.x, 1234, next(steps))["out"]

@@ -176,7 +176,9 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
            "mesh": f"{layout.dp}x{layout.tp}", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "timing": f"CUDA events over {CALLS_PER_SAMPLE} back-to-back calls per sample, {iters} interleaved "
                      f"samples each" + (", the slowest rank's" if layout.world_size > 1 else "")
-                     + "; host_ms: the median time to issue a call (rank 0's)",
+                     + "; host_ms: the median time to issue a call (rank 0's); the same input every call: nvFuser's "
+                     "graphs and eager-graph read it where their graph does (written there once), torch.compile's "
+                     "graph trees in place, Thunder's graphs copy it in each call",
            "matmul_tflops_measured": rate / 1e12, "copy_gbps_measured": bandwidth / 1e9, "matmul_gflop": flops / 1e9,
            "compute_floor_ms": floor_ms, "best_peer": best_peer, "results": rows, "failed": failed,
            "skipped": skipped,
