@@ -53,7 +53,7 @@
 #   quick   correctness at the default and the overlapped schedules, side by side: nanogpt 1x1, tiny 1x2 and
 #           2x2 (ranks sharing the GPU), TP and SP, fp32 and bf16, forward and backward, collectives as planned
 #           (QUICK_JOBS picks some: "nano11 tiny12 tiny12sp tiny22 ovl12 ovl12sp", or tiny22sp, tiny14sp; JOB@SCHEDULE runs
-#           any but the ovl ones at a named schedule, e.g. "tiny12sp@megatron-sp-cut-linears"); bound QUICK_S
+#           any but the ovl ones at a named schedule or a schedule file, e.g. "tiny12sp@megatron-sp-cut-linears"); bound QUICK_S
 #   multi   several GPUs, a GPU per rank: tools/multigpu.py, every schedule at tp 2, 4, 8 (nanogpt 5) checked on
 #           every rank, then its forward and training step benched (--profile: each rank's collectives from its
 #           trace), torch's peers (dtensor, dtensor-async), the machine's curves (tools/comm_curves.py) and
