@@ -194,25 +194,3 @@ def test_cublas_workspaces_are_dropped_after_the_warm_up_and_after_each_capture(
     calls.clear()
     assert _warm_then_memory(lambda: calls.append("step")) == {"peak_mib_above_baseline": 0.0, "reserved_mib": 0.0}
     assert calls == ["clear", "empty_cache"] + ["step"] * 4
-
-
-def test_a_graphs_input_is_copied_in_unless_it_is_the_static_buffer():
-    """copy_in: a caller's tensor is copied into the graph's static input; the
-    buffer itself, or a whole view of it (t.detach()), is not copied onto itself
-    (the bench writes its input there once: no copy a replay, as the graph peers)."""
-    from tpfuser.runtime.graphs import copy_in
-    copies = []
-
-    class Static(torch.Tensor):   # records its copy_ calls
-        def copy_(self, t, non_blocking=False):
-            copies.append(t)
-            return super().copy_(t, non_blocking)
-    static = torch.zeros(2, 3).as_subclass(Static)
-    other = torch.arange(6.0).reshape(2, 3)
-    copy_in(static, other)
-    assert len(copies) == 1 and torch.equal(static.as_subclass(torch.Tensor), other)
-    copy_in(static, static)
-    copy_in(static, static.detach())
-    assert len(copies) == 1
-    copy_in(static, other.t().contiguous().t())   # same values, another buffer: copied
-    assert len(copies) == 2

@@ -170,10 +170,11 @@ def forward_fns(cfg, ref, x, impls, layout, rank, groups, schedule):
     for impl in _nvfuser(impls, NVFUSER_CALLED):
         nv = ShardedBlock(cfg, layout, rank, schedule=nvfuser_schedule(schedule, impl)).load(ref.state_dict())
         fns[impl] = lambda nv=nv, steps=_step_offsets(): nv(x, 1234, next(steps))["out"]
-    for impl in _nvfuser(impls, NVFUSER_GRAPHED):   # x where its graph reads it: no copy a call, as compile's graphs
+    for impl in _nvfuser(impls, NVFUSER_GRAPHED):   # x copied in each call, as compile's and Thunder's graphs do
         block = ShardedBlock(cfg, layout, rank, schedule=nvfuser_schedule(schedule, impl, graphed=True))
-        (graphed := GraphedForward(block.load(ref.state_dict()))).x.copy_(x)
-        fns[impl] = lambda graphed=graphed, steps=_step_offsets(): graphed(graphed.x, 1234, next(steps))["out"]
+        block.load(ref.state_dict())
+        fns[impl] = lambda graphed=GraphedForward(block), steps=_step_offsets(): \
+            graphed(x, 1234, next(steps))["out"]
     if "eager" in impls:
         fns["eager"] = lambda: sdpa_forward(ref, x, cfg.dropout)
     if "eager-graph" in impls:
@@ -328,8 +329,7 @@ def _graphed_train_fns(cfg, ref, x, grad, impls, layout, rank, groups, schedule)
         block = ShardedBlock(cfg, layout, rank, dp_group=groups.dp if groups else None,
                              schedule=nvfuser_schedule(schedule, impl, graphed=True))
         graphed = GraphedTrainStep(block.load(ref.state_dict()))
-        graphed.x.copy_(x.detach()), graphed.grad_out.copy_(grad)   # where its graph reads them, as eager-graph's
-        out[impl] = (lambda g=graphed, steps=_step_offsets(): g(g.x, g.grad_out, 1234, next(steps)),
+        out[impl] = (lambda graphed=graphed, steps=_step_offsets(): graphed(x.detach(), grad, 1234, next(steps)),
                      lambda graphed=graphed: graphed.pool_bytes)
     if "eager-graph" in impls:
         own = copy.deepcopy(ref)   # its gradients stay the graph's: the other steps set theirs to None

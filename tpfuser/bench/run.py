@@ -108,7 +108,8 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
     warm = {"built_s": time.perf_counter() - began, "each_s": {}}   # (the training steps' first calls are built's)
     with ctx:
         for name, fn in list(fns.items()):
-            phase(f"warming up {name}")   # a compile that never ends shows whose it is
+            if not train:   # (a training step's warm-up is train_fns', announced there)
+                phase(f"warming up {name}")   # a compile that never ends shows whose it is
             began_one = time.perf_counter()
             try:
                 for _ in range(warmup):
@@ -176,9 +177,8 @@ def bench(preset_name: str = "nanogpt", impls=None, iters: int = 100, warmup: in
            "mesh": f"{layout.dp}x{layout.tp}", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "timing": f"CUDA events over {CALLS_PER_SAMPLE} back-to-back calls per sample, {iters} interleaved "
                      f"samples each" + (", the slowest rank's" if layout.world_size > 1 else "")
-                     + "; host_ms: the median time to issue a call (rank 0's); the same input every call: nvFuser's "
-                     "graphs and eager-graph read it where their graph does (written there once), torch.compile's "
-                     "graph trees in place, Thunder's graphs copy it in each call",
+                     + "; host_ms: the median time to issue a call (rank 0's); the graphed implementations copy "
+                     "the input into their graph's buffer each call, but eager-graph, captured on it",
            "matmul_tflops_measured": rate / 1e12, "copy_gbps_measured": bandwidth / 1e9, "matmul_gflop": flops / 1e9,
            "compute_floor_ms": floor_ms, "best_peer": best_peer, "results": rows, "failed": failed,
            "skipped": skipped,

@@ -86,13 +86,6 @@ def warm_up(body, times: int = 2) -> None:
     torch.cuda.empty_cache()
 
 
-def copy_in(static: torch.Tensor, t: torch.Tensor) -> None:
-    """t into a graph's static input, unless t is that buffer already (or a view of all of it, as
-    t.detach() is): a caller that writes its input there spares each replay the copy."""
-    if (t.data_ptr(), t.shape, t.stride()) != (static.data_ptr(), static.shape, static.stride()):
-        static.copy_(t)
-
-
 class _Graphed:
     def __init__(self, block: ShardedBlock):
         _check_block(block)
@@ -148,7 +141,7 @@ class GraphedForward(_Graphed):
     def __call__(self, x: torch.Tensor, rng_seed: int = 0, rng_offset: int = 0) -> dict[str, torch.Tensor]:
         """This rank's outputs, in static buffers the next call overwrites (clone to keep them)."""
         self.block.validate_input("x", x)
-        copy_in(self.x, x)
+        self.x.copy_(x)
         if self.graph is None:
             self.outputs = self._capture(rng_seed, rng_offset, lambda: self.block(self.x, rng_seed, rng_offset))
         self._replay(rng_seed, rng_offset)
@@ -177,8 +170,8 @@ class GraphedTrainStep(_Graphed):
         the gradients are new tensors when a gloo group sums them after the replay."""
         self.block.validate_input("x", x)
         self.block.validate_input("grad_out", grad_out)
-        copy_in(self.x, x)
-        copy_in(self.grad_out, grad_out)
+        self.x.copy_(x)
+        self.grad_out.copy_(grad_out)
         if self.graph is None:
             self.held = self._capture(rng_seed, rng_offset, lambda: self._body(rng_seed, rng_offset))
         self._replay(rng_seed, rng_offset)
@@ -205,7 +198,7 @@ class GraphedTraining(_Graphed):
     def forward(self, x: torch.Tensor, rng_seed: int, rng_offset: int, params=None) -> tuple[torch.Tensor, int]:
         """(out, a static buffer; this forward's generation, for its backward)."""
         self.block.validate_input("x", x)
-        copy_in(self.x, x.detach())
+        self.x.copy_(x.detach())
         if self.graph is None:
             self._capture_both(rng_seed, rng_offset)
         self._replay(rng_seed, rng_offset, params)
@@ -219,7 +212,7 @@ class GraphedTraining(_Graphed):
                                f"{generation}) was overwritten by a later forward (step {self.generation}); "
                                f"run each backward before the next training-mode forward")
         self.block.validate_input("grad_out", grad_out)
-        copy_in(self.grad_out, grad_out)
+        self.grad_out.copy_(grad_out)
         self.backward_graph.replay()
         grad_x, grads = self.grad_x.clone(), [g.clone() for g in self.grads]
         if self.block.layout.dp > 1:
