@@ -165,30 +165,44 @@ def test_qkv_split_forms_build_at_one_head_per_rank(form, forward_has, backward_
             assert {op for op in ("cat",) if op in backward} == backward_has
 
 
-def test_qkv_split_view_computes_nothing_on_q_k_v():
+def test_qkv_split_view_computes_nothing_on_q_k_v(monkeypatch):
     """qkv_split "view": q, k and v are qkv's slices as they are (slice's three
     multiplications by one, each a kernel of its own, are gone), and the
     backward declares them with free strides (views of qkv arrive strided)
     where slice's declares them contiguous; sdpa_out (b, h, s, d too) stays
     contiguous in both."""
+    import tpfuser.block.forward as forward
     from tpfuser.parallel.passes import build_backward
     cfg, layout = preset("tiny", dtype="bf16"), Layout(1, 2)
     bhsd = f"shape={[cfg.batch, cfg.n_head, cfg.seq, cfg.head_dim]}"
+    laid = []
+    monkeypatch.setattr(forward, "lay_out", lambda tv, order, lay_out=forward.lay_out: laid.append(order) or
+                        lay_out(tv, order))
+    layouts = {}
     for form, muls, free in (("slice", 3, 0), ("view", 0, 3)):
         schedule = SCHEDULES["megatron"].replace(qkv_split=form, experimental=form == "view")
+        laid.clear()
         assert build_forward(cfg, layout, train=True, schedule=schedule).text().count("* double(1)") == muls
+        layouts[form] = len(laid)
         declared = [line for piece in build_backward(cfg, layout, schedule=schedule).pieces
                     for line in str(piece.fd).splitlines() if bhsd in line]
         assert len(declared) == 4   # q, k, v, sdpa_out
         assert sum("contiguity=[False, False, False, False]" in line for line in declared) == free
         assert sum("contiguity=[True, True, True, True]" in line for line in declared) == 4 - free
-        # all four in flash attention's order (b, s, h, d), which nvFuser gives the gradients of q, k, v
+        # all four in flash attention's order (b, s, h, d), which nvFuser gives the gradients of q, k, v,
+        # the views' whatever flash_layout says
         assert all("stride_order=[3, 1, 2, 0]" in line for line in declared)
+    # a view is not laid out (a layout of its own would be a copy): of q, k, v and sdpa_out, sdpa_out only
+    assert layouts["slice"] == 4 * layouts["view"] > 0
+    unlaid = SCHEDULES["megatron"].replace(qkv_split="view", experimental=True, flash_layout=False)
+    declared = [line for piece in build_backward(cfg, layout, schedule=unlaid).pieces
+                for line in str(piece.fd).splitlines() if bhsd in line and "contiguity=[False" in line]
+    assert len(declared) == 3 and all("stride_order=[3, 1, 2, 0]" in line for line in declared)
 
 
 def test_qkv_split_view_is_refused_unless_experimental():
     """'view' has not run through a training step on a GPU: refused in one line, naming why, unless experimental."""
-    with pytest.raises(ValueError, match=r"'qkv_split': expected .*'view' is experimental: its training step failed "
+    with pytest.raises(ValueError, match=r"'qkv_split': expected .*'view' is experimental: nvFuser's stride check "
                                          r".*experimental: true runs it\), got 'view'"):
         SCHEDULES["megatron"].replace(qkv_split="view")
     assert SCHEDULES["megatron"].replace(qkv_split="view", experimental=True).qkv_split == "view"

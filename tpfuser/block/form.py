@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 #           (pointwise: neither a view nor a cat). Exact for finite values.
 #   view    slices of the (b, s, h, 3d) view left as views of qkv: no kernel, flash attention
 #           reads the strided q, k and v (the backward takes them with any strides); the gradient by cat.
-#           Experimental (schedules.Schedule refuses it otherwise): not yet run through a training step.
+#           Experimental (schedules.Schedule refuses it otherwise; NOTES.md says why).
 QKV_SPLITS = ("slice", "select", "onehot", "view")
 # Where the dropout keep-masks are drawn (dropout.py's hash of the global position):
 #   inline  inside the fusion that applies them;

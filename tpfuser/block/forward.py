@@ -72,9 +72,9 @@ def keep_mask(b: Pieces, cfg: BlockConfig, stream: str):
 
 
 def split_heads(b, qkv, cfg: BlockConfig, form: Form):
-    """(b, s, 3e) with rows ordered [h, 3, d] -> q, k, v each (b, h, s, d), each
-    written by a kernel and saved for the backward, which then slices nothing
-    (Form.qkv_split says how)."""
+    """(b, s, 3e) with rows ordered [h, 3, d] -> q, k, v each (b, h, s, d), saved
+    for the backward, which then slices nothing: each written by a kernel, or
+    (qkv_split "view") views of qkv (Form.qkv_split says how)."""
     bs, s, h, d = cfg.batch, cfg.seq, cfg.n_head, cfg.head_dim
     dtype, ops = NV_DTYPE[cfg.torch_dtype], b.ops
     if form.qkv_split in ("slice", "view"):   # reshape before slicing, so that the tp split (on heads) is not sliced

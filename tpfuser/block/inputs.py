@@ -62,9 +62,10 @@ def input_definer(cfg: BlockConfig, form: Form):
             return fd.define_scalar(dtype=DataType.Int)
         t = BY_NAME[name]
         dtype = NV_DTYPE[cfg.torch_dtype] if t.dtype == "block" else _KINDS[t.dtype]
-        # q, k, v as views of qkv (forward.split_heads "view"): any strides, in flash attention's order, which
-        # nvFuser gives its gradients (declared in the logical order, ATen's flash-ordered gradients failed its check)
+        # q, k, v as views of qkv (forward.split_heads "view"): any strides, in flash attention's order whatever
+        # form.flash_layout says, the order ATen's flash backward gives their gradients and nvFuser expects them in
         free = form.qkv_split == "view" and name in ("q", "k", "v")
+        order = memory_order(t, cfg) if free else declared_order(name, cfg, form)
         return fd.define_tensor(shape=list(t.shape(cfg)), contiguity=[False] * len(t.dims) if free else True,
-                                dtype=dtype, stride_order=stride_order(declared_order(name, cfg, form)))
+                                dtype=dtype, stride_order=stride_order(order))
     return define_input

@@ -108,9 +108,8 @@ class Schedule:
             if not isinstance(getattr(self, name), bool):
                 _refuse(name, "true or false", getattr(self, name))
         if self.qkv_split == "view" and not self.experimental:
-            _refuse("qkv_split", "slice, select or onehot ('view' is experimental: its training step failed nvFuser's "
-                    "stride check on flash attention's gradients, and the fix has not run on a GPU; "
-                    "experimental: true runs it)", self.qkv_split)
+            _refuse("qkv_split", "slice, select or onehot ('view' is experimental: nvFuser's stride check on flash "
+                    "attention's gradients, NOTES.md; experimental: true runs it)", self.qkv_split)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -232,7 +231,7 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
     _megatron("megatron-cut-linears", sp=False, cuts=ALL_CUTS),
     _megatron("megatron-sp-cut-linears", sp=True, cuts=ALL_CUTS),
     # ... each dropout mask drawn inside the fusion that applies it: two kernels fewer a forward, replayed
-    # faster, at the cost of a first call about twice as long (NVRTC compiles the hash into larger kernels).
+    # faster, at the cost of a first call about twice as long (NOTES.md).
     _megatron("megatron-inline-masks", sp=False, cuts=ALL_CUTS, masks="inline"),
     _megatron("megatron-sp-inline-masks", sp=True, cuts=ALL_CUTS, masks="inline"),
     # Overlap, each chunk a fusion on a side stream: under TP the row-parallel linears' all-reduces
