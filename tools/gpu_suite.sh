@@ -18,8 +18,8 @@
 #           kernel against its work, the idle gaps): nanogpt fwd then fwd+bwd (peersfwd, peerstrain: one); gpt3 fwd. PEERS_IMPLS, PEERS_TRAIN_IMPLS, PEERS_GPT3_IMPLS:
 #           --impl for each; bounds PEERS_S, PEERS_TRAIN_S, PEERS_GPT3_S (max-autotune tunes GEMMs for minutes)
 #   speed   candidate schedules (SPEED_SCHEDULES: names or files) beside the default, reduce-overhead and Thunder's
-#           graphs: nanogpt forward and training step, profiled; then each checked at nanogpt 1x1 (SPEED_CHECKS:
-#           quick jobs instead); bounds SPEED_S, SPEED_TRAIN_S, QUICK_S
+#           graphs: nanogpt forward and training step, profiled (the peers step's benches and files); then each
+#           checked at nanogpt 1x1 (SPEED_CHECKS: quick jobs instead); bounds PEERS_S, PEERS_TRAIN_S, QUICK_S
 #   fmprobe  nvFuser's own matmul kernels (fuse_matmul) on a linear and its epilogues, against ATen's GEMM
 #           (tools/probes/fuse_matmul_probe.py; FMPROBE_PRESETS, default "nanogpt gpt3"); bound FMPROBE_S
 #   mesh    every mesh checked to the end, forward and backward, its ranks sharing the GPU
@@ -194,15 +194,10 @@ step_peersgpt3() {
 }
 
 SPEED_SCHEDULES=${SPEED_SCHEDULES:-megatron-inline-masks tools/schedules/speed-qkv-view.json tools/schedules/speed-qkv-view-noinfer.json tools/schedules/speed-qkv-view-masks-inline.json}
-step_speed() {
-  echo "== candidate schedules against the default and the fastest peers: nanogpt forward, then training step"
+step_speed() {   # the peers' benches (peersfwd, peerstrain) with these implementations, then the checks
   local s impls="nvfuser-graph" jobs=""
   for s in $SPEED_SCHEDULES; do impls+=",nvfuser-graph@$s"; jobs+=" nano11@$s"; done
-  clocks speed T ${SPEED_S:-200} -- python3 -m tpfuser.bench --preset nanogpt --profile --json "$OUT/bench_speed_nanogpt.json" \
-    --iters $((${ITERS:-30} * 3)) --impl "$impls,compile-reduce-overhead,thunder-graph" 2>&1 | tee "$OUT/speed.log" | tail -14
-  clocks speed_train T ${SPEED_TRAIN_S:-200} -- python3 -m tpfuser.bench --preset nanogpt --train --profile \
-    --json "$OUT/bench_speed_nanogpt_train.json" --iters ${ITERS:-30} --impl "$impls,compile-reduce-overhead" 2>&1 \
-    | tee "$OUT/speed_train.log" | tail -10
+  PEERS_IMPLS="$impls,compile-reduce-overhead,thunder-graph" PEERS_TRAIN_IMPLS="$impls,compile-reduce-overhead" step_peers
   QUICK_JOBS=${SPEED_CHECKS:-$jobs} step_quick
 }
 
