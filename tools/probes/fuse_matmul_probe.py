@@ -32,8 +32,8 @@ def gelu_tanh(fd, x):   # GELU, tanh approximation, on fp32 values
     return fd.ops.mul(fd.ops.mul(x, 0.5), fd.ops.add(fd.ops.tanh(inner), 1.0))
 
 
-def define(case: str, dims: int):
-    """The fusion of one case: (FusionDefinition, the PyTorch function it computes)."""
+def define(case: str, dims: int) -> FusionDefinition:
+    """The fusion of one case."""
     bf16 = DataType.BFloat16
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1] * dims, contiguity=True, dtype=bf16)
@@ -50,14 +50,18 @@ def define(case: str, dims: int):
                            fd.ops.cast(res, DataType.Float))
             y = fd.ops.cast(y, bf16)
         fd.add_output(y)
+    return fd
 
+
+def reference(case: str):
+    """What the case's fusion computes, in PyTorch."""
     def torch_fn(x, w, bias=None, res=None):
         if case in ("linear", "linear+bias"):
             return F.linear(x, w, bias)
         if case == "bias+gelu":
             return F.gelu(F.linear(x, w, bias).float(), approximate="tanh").to(x.dtype)
         return (F.linear(x, w).float() + bias.float() + res.float()).to(x.dtype)
-    return fd, torch_fn
+    return torch_fn
 
 
 # How nvFuser runs each case. fuse_matmul alone lets its matmul scheduler take a linear, but ATen's GEMM
@@ -101,13 +105,12 @@ def run_case(case: str, dims: int, m_shape, k: int, n: int, iters: int) -> dict:
     bias = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
     res = torch.randn(*m_shape, n, device="cuda", generator=gen).to(torch.bfloat16)
     inputs = [x, w] + ([bias] if case != "linear" else []) + ([res] if case == "bias+residual" else [])
-    torch_fn = define(case, dims)[1]
+    torch_fn = reference(case)
     want = torch_fn(*inputs)
     out = {"case": case, "dims": dims, "m": list(m_shape), "k": k, "n": n,
            "eager_ms": timed_ms(lambda: torch_fn(*inputs), iters), "eager_kernels": kernels(lambda: torch_fn(*inputs))}
     for mode, opts in MODES.items():   # a definition of its own each: nvFuser's kernel cache keys on the inputs only
-        fd = define(case, dims)[0]
-        call = (lambda fd, o: lambda: fd.execute(inputs, **o))(fd, opts)
+        call = (lambda fd, o: lambda: fd.execute(inputs, **o))(define(case, dims), opts)
         try:
             got = call()[0]
             out[mode] = {"ok": True, "max_abs_err": (got.float() - want.float()).abs().max().item(),
