@@ -137,7 +137,10 @@ def define_forward(b: Pieces, cfg: BlockConfig, form: Form, check: bool = False,
         y, lse, seed, offset = ops.sdpfa_fwd(q, k, v, dropout_p=b.define_scalar(p, dtype=DataType.Double),
                                              is_causal=b.define_scalar(True, dtype=DataType.Bool), scale=None)
         if form.flash_layout:   # as the table says: q, k, v and y as flash attention holds them
-            for name, tv in ((("q", q), ("k", k), ("v", v)) if form.qkv_split != "view" else ()) + (("sdpa_out", y),):
+            laid = {"q": q, "k": k, "v": v, "sdpa_out": y}
+            if form.qkv_split == "view":   # views of qkv keep its layout (one of their own would be a copy)
+                laid = {"sdpa_out": y}
+            for name, tv in laid.items():
                 lay_out(tv, memory_order(BY_NAME[name], cfg))
         for name, tv in (("sdpa_out", y), ("sdpa_lse", lse), ("sdpa_seed", seed), ("sdpa_offset", offset)):
             out(name, tv)
