@@ -266,3 +266,37 @@ def test_backward_inputs_hand_the_saved_heads_over_as_they_lie(dtype, monkeypatc
             assert handed[name].data_ptr() == t.data_ptr(), name
         else:
             assert handed[name].is_contiguous(), name
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_backward_inputs_take_q_k_v_views_of_qkv_as_they_are(dtype, monkeypatch):
+    """qkv_split "view": the training forward saves q, k, v as views of qkv,
+    which the backward declares with free strides in flash order (bf16). They
+    pass uncopied; in fp32 (declared in their logical order, which a view of
+    qkv is not in) they are made contiguous. A copy each was what the view
+    form's training step had run (NOTES.md)."""
+    from tpfuser.parallel.schedules import SCHEDULES
+    from tpfuser.runtime.block import ShardedBlock
+    cfg = preset("tiny", dtype=dtype)
+    schedule = SCHEDULES["megatron-cut-linears"].replace(qkv_split="view", experimental=True)
+    block = ShardedBlock(cfg, device=torch.device("cpu"), schedule=schedule)
+    monkeypatch.setattr(block, "checked_params", lambda params=None: [])
+    monkeypatch.setattr(block, "validate_input", lambda name, t: None)
+    b, s, h, d = cfg.batch, cfg.seq, cfg.n_head, cfg.head_dim
+    qkv = torch.randn(b, s, h, 3 * d)   # the rows [h, 3, d] of (b, s, 3e), as forward.split_heads views them
+    views = {name: qkv[..., i * d:(i + 1) * d].permute(0, 2, 1, 3) for i, name in enumerate("qkv")}
+    names = block.saved_names()
+    saved = [views[name] if name in views else torch.zeros(shape)
+             for name, shape in zip(names, saved_shapes(cfg).values())]
+    inputs = block.backward_inputs(torch.zeros(b, s, cfg.n_embd), torch.zeros(b, s, cfg.n_embd), saved)
+    for name, view in views.items():
+        assert torch.equal(inputs[name], view), name
+        if dtype == "bf16":
+            assert inputs[name].data_ptr() == view.data_ptr() and inputs[name].stride() == view.stride(), name
+        else:
+            assert inputs[name].is_contiguous() and inputs[name].data_ptr() != view.data_ptr(), name
+    laid = ShardedBlock(cfg, device=torch.device("cpu"), schedule=schedule.replace(qkv_split="slice"))
+    monkeypatch.setattr(laid, "checked_params", lambda params=None: [])
+    monkeypatch.setattr(laid, "validate_input", lambda name, t: None)
+    dense = laid.backward_inputs(torch.zeros(b, s, cfg.n_embd), torch.zeros(b, s, cfg.n_embd), saved)
+    assert all(dense[name].data_ptr() != view.data_ptr() for name, view in views.items())   # slice: laid out densely

@@ -45,7 +45,17 @@ _KINDS = {"f32": DataType.Float, "u64": DataType.UInt64, "bool": DataType.Bool}
 def declared_order(name: str, cfg: BlockConfig, form: Form) -> tuple[int, ...] | None:
     """The memory order a fusion declares its input `name` in (tensors.memory_order; None:
     contiguous, as for the dropout scalars)."""
+    if free_strides(name, form):
+        return memory_order(BY_NAME[name], cfg)
     return memory_order(BY_NAME[name], cfg) if form.flash_layout and name in BY_NAME else None
+
+
+def free_strides(name: str, form: Form) -> bool:
+    """Whether a fusion declares input `name` with free strides, dense or not, in
+    declared_order: q, k, v as views of qkv (forward.split_heads "view"), in
+    flash attention's order whatever form.flash_layout says (the order ATen's
+    flash backward gives their gradients and nvFuser expects them in)."""
+    return form.qkv_split == "view" and name in ("q", "k", "v")
 
 
 def input_definer(cfg: BlockConfig, form: Form):
@@ -62,10 +72,7 @@ def input_definer(cfg: BlockConfig, form: Form):
             return fd.define_scalar(dtype=DataType.Int)
         t = BY_NAME[name]
         dtype = NV_DTYPE[cfg.torch_dtype] if t.dtype == "block" else _KINDS[t.dtype]
-        # q, k, v as views of qkv (forward.split_heads "view"): any strides, in flash attention's order whatever
-        # form.flash_layout says, the order ATen's flash backward gives their gradients and nvFuser expects them in
-        free = form.qkv_split == "view" and name in ("q", "k", "v")
-        order = memory_order(t, cfg) if free else declared_order(name, cfg, form)
+        free = free_strides(name, form)
         return fd.define_tensor(shape=list(t.shape(cfg)), contiguity=[False] * len(t.dims) if free else True,
-                                dtype=dtype, stride_order=stride_order(order))
+                                dtype=dtype, stride_order=stride_order(declared_order(name, cfg, form)))
     return define_input

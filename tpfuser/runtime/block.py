@@ -19,8 +19,8 @@ from typing import Optional
 import torch
 
 from tpfuser.block.dropout import STREAMS, flash_seed, stream_key
-from tpfuser.block.inputs import MASK_STARTS, rng_input_names
-from tpfuser.block.tensors import BY_NAME, MASKS, PARAM_NAMES, memory_order, param_shapes
+from tpfuser.block.inputs import MASK_STARTS, declared_order, free_strides, rng_input_names
+from tpfuser.block.tensors import MASKS, PARAM_NAMES, param_shapes
 from tpfuser.config import BlockConfig, Layout, check_config, check_flags
 from tpfuser.dist.world import check_group, describe_single_process, sum_over_group
 from tpfuser.parallel.placements import PARAM_PLACEMENTS, local_shape, placements
@@ -34,12 +34,14 @@ from tpfuser.runtime.weights import block_device, check_finite, check_tensor, fr
 MASKED = {stream: mask.name for stream, mask in MASKS.items()}   # the tensor each dropout stream masks
 
 
-def laid_out(t: torch.Tensor, order: tuple[int, ...] | None) -> torch.Tensor:
-    """t with its elements in memory in `order` (its dimensions outermost
-    first; None: contiguous), as a backward fusion input declares it; a copy
-    only where t is not so already."""
-    if order is None:
-        return t.contiguous()
+def laid_out(t: torch.Tensor, order: tuple[int, ...] | None, dense: bool = True) -> torch.Tensor:
+    """t with its elements in memory in `order` (its dimensions outermost first;
+    None: contiguous), as a backward fusion input declares it; a copy only where
+    t is not so already. dense=False (inputs.free_strides): t as it is if its
+    strides fall in `order` (q, k, v as views of qkv)."""
+    order = tuple(range(t.dim())) if order is None else order
+    if not dense and all(t.stride(a) >= t.stride(b) for a, b in zip(order, order[1:])):
+        return t
     inverse = sorted(range(len(order)), key=order.__getitem__)
     return t.permute(order).contiguous().permute(inverse)
 
@@ -62,17 +64,15 @@ def mask_starts(cfg: BlockConfig, layout: Layout, rank: int) -> dict[str, int]:
 
 def dropout_scalars(cfg: BlockConfig, layout: Layout, rank: int, rng_seed: int, rng_offset: int,
                     starts: dict[str, int] | None = None) -> dict[str, int]:
-    """The fusions' dropout inputs for this rank (rng_input_names): every
-    stream's key, the same on all ranks (dropout.stream_key), and the mask
-    starts (mask_starts, or `starts` as it gave them)."""
+    """The fusions' dropout inputs for this rank (rng_input_names): every stream's key, the same
+    on all ranks (dropout.stream_key), and the mask starts (mask_starts, or `starts` as it gave them)."""
     keys = {f"key.{stream}": stream_key(rng_seed, rng_offset, stream) for stream in STREAMS}
     return keys | (mask_starts(cfg, layout, rank) if starts is None else starts)
 
 
 @contextmanager
 def seeded_cuda_generator(device: torch.device, seed: int):
-    """Run the body with `device`'s default CUDA generator at (seed, offset 0);
-    restore the generator's state after it."""
+    """Run the body with `device`'s default CUDA generator at (seed, offset 0), restored after."""
     gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
     state = gen.get_state()
     gen.manual_seed(seed)
@@ -180,12 +180,12 @@ class ShardedBlock:
         return list(self._saved(dropout))
 
     def _saved(self, dropout: bool) -> dict:
-        """{saved name: its memory order as the backward reads it}, per mode, made
-        once (not on every call): the training pass's outputs but `out`."""
+        """{saved name: (memory order, dense) as the backward declares it}, per mode,
+        made once (not on every call): the training pass's outputs but `out`."""
         key = self.mode_cfg(dropout).dropout > 0
         if key not in self._saved_orders:
-            flash = self.form.flash_layout
-            self._saved_orders[key] = {name: memory_order(BY_NAME[name], self.cfg) if flash else None
+            self._saved_orders[key] = {name: (declared_order(name, self.cfg, self.form),
+                                              not free_strides(name, self.form))
                                        for name in self.pass_of("train", dropout).outputs if name != "out"}
         return self._saved_orders[key]
 
@@ -347,4 +347,4 @@ class ShardedBlock:
         if len(saved) != len(orders):
             raise ValueError(f"saved: expected {len(orders)} tensors ({', '.join(orders)}), got {len(saved)}")
         return {"grad_out": grad_out.contiguous(), "x": x.contiguous(), **dict(zip(PARAM_NAMES, params)),
-                **{name: laid_out(t, order) for (name, order), t in zip(orders.items(), saved)}}
+                **{name: laid_out(t, *layout) for (name, layout), t in zip(orders.items(), saved)}}
