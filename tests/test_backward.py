@@ -278,7 +278,7 @@ def test_backward_inputs_take_q_k_v_views_of_qkv_as_they_are(dtype, monkeypatch)
     from tpfuser.parallel.schedules import SCHEDULES
     from tpfuser.runtime.block import ShardedBlock
     cfg = preset("tiny", dtype=dtype)
-    schedule = SCHEDULES["megatron-cut-linears"].replace(qkv_split="view", experimental=True)
+    schedule = SCHEDULES["megatron-cut-linears"].replace(qkv_split="view")
     block = ShardedBlock(cfg, device=torch.device("cpu"), schedule=schedule)
     monkeypatch.setattr(block, "checked_params", lambda params=None: [])
     monkeypatch.setattr(block, "validate_input", lambda name, t: None)

@@ -107,9 +107,6 @@ class Schedule:
         for name in ("flash_layout", "keys_on_device", "split_unit_axes", "mesh", "experimental"):
             if not isinstance(getattr(self, name), bool):
                 _refuse(name, "true or false", getattr(self, name))
-        if self.qkv_split == "view" and not self.experimental:
-            _refuse("qkv_split", "slice, select or onehot ('view' is experimental: nvFuser's stride check on flash "
-                    "attention's gradients, NOTES.md; experimental: true runs it)", self.qkv_split)
 
     @property
     def sequence_parallel(self) -> bool:
