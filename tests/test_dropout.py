@@ -140,3 +140,43 @@ def test_a_block_hands_its_fusion_the_ranks_own_starts_and_this_calls_keys():
         assert list(later) == rng_input_names(cfg)
         assert inputs["key.resid_mlp"] == stream_key(3, 9, "resid_mlp") != later["key.resid_mlp"]
         assert later["start.head"] == 4                          # the starts do not move from call to call
+
+
+def test_the_wide_hash_is_the_halves_hash():
+    """hash_ints "uint64": operations that hold a 64-bit product (`wide`, here
+    Python ints wrapped to 64 bits as UInt64 wraps) multiply each 32-bit value
+    once; the hash must be the int64 tensors' one (16-bit halves), bit for bit,
+    keys of 62 bits and positions past 2**32 included."""
+    from types import SimpleNamespace
+    from tpfuser.block.dropout import PLAIN_OPS, hash_positions
+    u64 = 2**64 - 1
+    wide = SimpleNamespace(**vars(PLAIN_OPS), wide=True, unsigned=lambda v: v & u64)
+    wide.mul = lambda a, b: (a * b) & u64
+    g = torch.Generator().manual_seed(7)
+    index = torch.cat([torch.randint(0, 2**40, (3000,), generator=g, dtype=torch.int64),
+                       torch.tensor([0, 1, 2**32 - 1, 2**32, 2**40 - 1])])
+    for key in (0, 1, stream_key(3, 9, "resid_attn"), 2**62 - 1):
+        halves = hash_positions(index, torch.tensor(key)).tolist()
+        assert [hash_positions(int(i), key, wide) for i in index] == halves
+
+
+def test_uint64_masks_multiply_once_where_int64_masks_multiply_by_halves():
+    """The fusions' keep-masks under hash_ints (Form.hash_ints): int64 multiplies
+    by each constant's 16-bit halves (4 products a round), uint64 by the
+    constant whole (2 a round) with every hash value UInt64; the default
+    schedule hashes in int64 (its fusions, and their digests, unchanged)."""
+    from tpfuser.block.dropout import MUL1, MUL2
+    from tpfuser.parallel.passes import build_forward
+    from tpfuser.parallel.schedules import SCHEDULES, default_schedule
+    cfg = preset("tiny", dtype="bf16")
+    assert default_schedule(Layout(1, 2)).hash_ints == "int64"
+    halves = {str(c & 0xFFFF) for c in (MUL1, MUL2)} | {str(c >> 16) for c in (MUL1, MUL2)}
+    for hash_ints, constants, products in (("int64", halves, 8), ("uint64", {str(MUL1), str(MUL2)}, 4)):
+        schedule = SCHEDULES["megatron-cut-linears"].replace(hash_ints=hash_ints)
+        mask = build_forward(cfg, Layout(1, 2), schedule=schedule).pieces[0].fd.fusion.print_math()
+        lines = mask.split("%kernel_math {")[1].splitlines()
+        multiplied = [lines[i + 1].strip().lstrip("* ").rstrip(";") for i, line in enumerate(lines[:-1])
+                      if line.strip().startswith("=") and lines[i + 1].strip().startswith("* ")]
+        assert sorted(c for c in multiplied if c in constants) == sorted(2 * list(constants)) and \
+            sum(c in constants for c in multiplied) == products
+        assert ("uint64_t" in mask) == (hash_ints == "uint64") and mask.count("__to_uint64") == 2 * (hash_ints == "uint64")

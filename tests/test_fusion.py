@@ -211,6 +211,17 @@ def test_qkv_split_view_needs_no_experimental_flag_but_one_head_per_rank_still_d
     assert known_failure(one_head, Layout(1, 2), view.replace(experimental=True)) is None
 
 
+def test_hash_ints_is_checked_where_it_is_set():
+    """A schedule file or a Form naming an integer type the hash has no form for is refused in one line."""
+    from tpfuser.block.form import Form
+    from tpfuser.parallel.schedules import load_schedule
+    with pytest.raises(ValueError, match=re.escape("'hash_ints': expected one of int64, uint64, got 'uint32'")):
+        load_schedule({"hash_ints": "uint32"})
+    with pytest.raises(ValueError, match=re.escape("hash_ints='int32': expected one of int64, uint64")):
+        Form(hash_ints="int32")
+    assert load_schedule({"hash_ints": "uint64"}).form().hash_ints == "uint64"
+
+
 def test_qkv_split_is_checked_where_it_is_set():
     """The q/k/v split is the schedule's qkv_split field (TPFUSER_QKV_SPLIT is
     gone): a wrong one is refused where the schedule (or the Form) is made."""

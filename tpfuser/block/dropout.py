@@ -16,7 +16,9 @@ two rounds, bias 0.17), applied twice with the key mixed in before each round,
 on 32-bit values held in int64 (nvFuser's integer type). Multiplying two
 32-bit values would overflow int64, so `_mul32` multiplies by the constant's
 two 16-bit halves (a Python int, which cannot overflow, takes plain arithmetic:
-`_mix32_int`, tested equal). The one algorithm below runs on Python ints (the host's
+`_mix32_int`, tested equal). Operations whose `wide` is true hold a 64-bit
+product of two 32-bit values exactly (nvFuser's UInt64, ops.int_ops): one
+multiplication there. The one algorithm below runs on Python ints (the host's
 keys), on torch int64 tensors (the oracle the tests compare the fusion with),
 and, through ops.int_ops's adapter, on nvFuser TensorViews: all three use only
 xor, and, shifts, add and multiplication by a constant.
@@ -40,7 +42,10 @@ PLAIN_OPS = SimpleNamespace(xor=operator.xor, band=operator.and_, shr=operator.r
 
 
 def _mul32(x, c: int, ops):
-    """(x * c) mod 2**32 for 0 <= x < 2**32 without leaving int64: every partial product is below 2**49."""
+    """(x * c) mod 2**32 for 0 <= x < 2**32 without leaving int64: every partial product is below 2**49
+    (wide operations: the whole product, below 2**64, held exactly)."""
+    if getattr(ops, "wide", False):
+        return ops.band(ops.mul(x, c), M32)
     low = ops.mul(x, c & 0xFFFF)
     high = ops.shl(ops.band(ops.mul(x, c >> 16), 0xFFFF), 16)
     return ops.band(ops.add(low, high), M32)
@@ -70,6 +75,8 @@ def _mix32_int(x: int) -> int:
 def hash_positions(index, key: int | object, ops=PLAIN_OPS):
     """32-bit hash of global positions (int64 >= 0) under a 62-bit key
     (low 32 bits mixed in before the first round, high 30 bits before the second)."""
+    if getattr(ops, "wide", False):
+        index, key = ops.unsigned(index), ops.unsigned(key)
     k_low, k_high = ops.band(key, M32), ops.shr(key, 32)
     first = mix32(ops.xor(ops.band(index, M32), k_low), ops)
     return mix32(ops.xor(ops.xor(first, ops.shr(index, 32)), k_high), ops)

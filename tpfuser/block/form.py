@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 #           (pointwise: neither a view nor a cat). Exact for finite values.
 #   view    slices of the (b, s, h, 3d) view left as views of qkv: no kernel, flash attention
 #           reads the strided q, k and v (the backward takes them with any strides); the gradient by cat.
-#           Experimental (schedules.Schedule refuses it otherwise; NOTES.md says why).
 QKV_SPLITS = ("slice", "select", "onehot", "view")
 # Where the dropout keep-masks are drawn (dropout.py's hash of the global position):
 #   inline  inside the fusion that applies them;
@@ -24,6 +23,10 @@ QKV_SPLITS = ("slice", "select", "onehot", "view")
 #           by the others: the same bits, and a block fusion with ~100 fewer
 #           integer expressions for nvFuser's segmenter to search.
 MASK_FORMS = ("inline", "fusion")
+# The integers the fusions hash the dropout positions in (dropout.py; the same bits either way):
+#   int64   32-bit values in nvFuser's Int, multiplied by a constant's 16-bit halves (two products each);
+#   uint64  in UInt64, which holds a product of two 32-bit values exactly: one product each.
+HASH_INTS = ("int64", "uint64")
 # The block's linears, in order, and where its passes can be cut into fusions
 # (block/pieces.py): the forward before and after each linear, and after the
 # masks' own fusion; the backward before each sublayer's linears' backward,
@@ -63,6 +66,7 @@ class Form:
     flash_layout: bool = True
     keys_on_device: bool = False
     seq_major: frozenset[str] = field(default_factory=frozenset)
+    hash_ints: str = "int64"
 
     def __post_init__(self):
         for name in ("cuts", "hints", "seq_major"):
@@ -71,3 +75,5 @@ class Form:
             raise ValueError(f"masks={self.masks!r}: expected one of {', '.join(MASK_FORMS)}")
         if self.qkv_split not in QKV_SPLITS:
             raise ValueError(f"qkv_split={self.qkv_split!r}: expected one of {', '.join(QKV_SPLITS)}")
+        if self.hash_ints not in HASH_INTS:
+            raise ValueError(f"hash_ints={self.hash_ints!r}: expected one of {', '.join(HASH_INTS)}")

@@ -60,15 +60,17 @@ def mask_cuts(cfg: BlockConfig) -> set[str]:
     return {"masks"} | points if streams else set()
 
 
-def keep_mask(b: Pieces, cfg: BlockConfig, stream: str):
+def keep_mask(b: Pieces, cfg: BlockConfig, stream: str, form: Form):
     """Bernoulli(1 - p) keep-mask of one dropout stream over its tensor's
     global shape: hash(stream key, global position) < (1 - p) 2**32. The
     rank's slice begins at scalars (MASK_STARTS): nvFuser indexes a rank's
     kernel locally, so iota(n, start) is the global coordinate."""
     shape = list(MASKS[stream].shape(cfg))
     starts = [b[name] if name else None for name in MASK_STARTS[stream]]
-    hashed = hash_positions(global_positions(b, shape, starts), b[f"key.{stream}"], int_ops(b))
-    return b.ops.lt(hashed, b.define_scalar(keep_threshold(cfg.dropout), dtype=DataType.Int))
+    ints = int_ops(b, form.hash_ints)
+    hashed = hash_positions(global_positions(b, shape, starts), b[f"key.{stream}"], ints)
+    threshold = b.define_scalar(keep_threshold(cfg.dropout), dtype=DataType.UInt64 if ints.wide else DataType.Int)
+    return b.ops.lt(hashed, threshold)
 
 
 def split_heads(b, qkv, cfg: BlockConfig, form: Form):
@@ -112,13 +114,13 @@ def define_forward(b: Pieces, cfg: BlockConfig, form: Form, check: bool = False,
     def keep(stream):   # a keep-mask, drawn here or read from the masks' fusion
         if form.masks == "fusion":
             return b[f"{stream}_keep"]
-        return out(f"{stream}_keep", keep_mask(b, cfg, stream))
+        return out(f"{stream}_keep", keep_mask(b, cfg, stream, form))
 
     if form.masks == "fusion" and p > 0:
         for i, stream in enumerate(drawn_streams(cfg)):
             if i:   # a fusion per mask (mask_cuts): nvFuser schedules only a connected fusion whole
                 b.cut(f"masks.{stream}", {})
-            b.output(f"{stream}_keep", keep_mask(b, cfg, stream))
+            b.output(f"{stream}_keep", keep_mask(b, cfg, stream, form))
         b.cut("masks", {})
 
     def x_float():   # the input in fp32, made once in each fusion that reads it

@@ -46,10 +46,21 @@ def gelu_tanh(fd, x):
                       fd.ops.add(fd.ops.tanh(fd.ops.mul(inner, math.sqrt(2.0 / math.pi))), 1.0))
 
 
-def int_ops(fd) -> SimpleNamespace:
-    """dropout.py's integer operations on nvFuser values."""
-    return SimpleNamespace(xor=fd.ops.bitwise_xor, band=fd.ops.bitwise_and, shr=fd.ops.bitwise_right_shift,
-                           shl=fd.ops.bitwise_left_shift, add=fd.ops.add, mul=fd.ops.mul)
+def int_ops(fd, hash_ints: str = "int64") -> SimpleNamespace:
+    """dropout.py's integer operations on nvFuser values, in int64 or (hash_ints
+    "uint64", Form.hash_ints) on values made UInt64, whose products of two 32-bit
+    values are exact (`wide`: half the multiplications)."""
+    names = dict(xor="bitwise_xor", band="bitwise_and", shr="bitwise_right_shift", shl="bitwise_left_shift",
+                 add="add", mul="mul")
+    if hash_ints == "int64":
+        return SimpleNamespace(**{name: getattr(fd.ops, op) for name, op in names.items()}, wide=False)
+
+    def unsigned(v):   # a constant as a UInt64 scalar (nvFuser promotes no UInt64 scalar with an Int one)
+        return fd.define_scalar(v, dtype=DataType.UInt64) if isinstance(v, int) else fd.ops.cast(v, DataType.UInt64)
+
+    def op(name):
+        return lambda a, b: getattr(fd.ops, name)(a, unsigned(b) if isinstance(b, int) else b)
+    return SimpleNamespace(**{name: op(op_name) for name, op_name in names.items()}, wide=True, unsigned=unsigned)
 
 
 def global_positions(fd, shape, starts):

@@ -80,7 +80,9 @@ def format_schedule(schedule: dict) -> list[str]:
     cuts = ", ".join(schedule["cuts"]) or "none"
     options = ", ".join([*(f"+{o}" for o in schedule["enable_options"]), *(f"-{o}" for o in schedule["disable_options"])])
     lines.append(f"  cut into fusions at: {cuts}; dropout masks drawn {'by fusions of their own, one a mask' if schedule['masks'] == 'fusion' else 'inline'}; "
-                 f"q/k/v by {schedule['qkv_split']}" + (f"; nvFuser options {options}" if options else ""))
+                 f"q/k/v by {schedule['qkv_split']}"
+                 + (f"; masks hashed in {schedule['hash_ints']}" if schedule.get("hash_ints", "int64") != "int64" else "")
+                 + (f"; nvFuser options {options}" if options else ""))
     return lines
 
 

@@ -21,7 +21,8 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from tpfuser.block.form import BACKWARD_CUTS, FORWARD_CUTS, LINEARS, MASK_FORMS, MASK_POINTS, QKV_SPLITS, Form
+from tpfuser.block.form import (BACKWARD_CUTS, FORWARD_CUTS, HASH_INTS, LINEARS, MASK_FORMS, MASK_POINTS, QKV_SPLITS,
+                                Form)
 from tpfuser.block.form import PARTIAL_SUMS
 from tpfuser.config import BlockConfig, Layout, frozen, thawed
 from tpfuser.outputs import read_json
@@ -37,7 +38,7 @@ class Schedule:
     passes are cut into fusions (FORWARD_CUTS, BACKWARD_CUTS); a chunked linear
     adds its own (fusion_cuts). segment_hints: points kept inside one fusion
     where nvFuser's segmenter is told to end a kernel (Form.hints; 1x1 only).
-    masks, qkv_split, flash_layout, keys_on_device: block/form.py's. split_unit_axes: also split over a mesh axis of
+    masks, qkv_split, flash_layout, keys_on_device, hash_ints: block/form.py's. split_unit_axes: also split over a mesh axis of
     one device (parallel/passes.apply_placement). enable_options, disable_options: nvFuser's, for every fusion (a
     chunk's too; overlap "streams" runs its host IR with its own); fusion_options: more for some fusions, by the cut
     point each begins at ("" the first), e.g. {"mlp.c_fc.out": {"disable_options": ["infer_contiguity"]}}.
@@ -52,6 +53,7 @@ class Schedule:
     qkv_split: str = "slice"
     flash_layout: bool = True
     keys_on_device: bool = False
+    hash_ints: str = "int64"
     split_unit_axes: bool = False
     enable_options: tuple[str, ...] = ()
     disable_options: tuple[str, ...] = ()
@@ -104,6 +106,8 @@ class Schedule:
             _refuse("masks", f"one of {', '.join(MASK_FORMS)}", self.masks)
         if self.qkv_split not in QKV_SPLITS:
             _refuse("qkv_split", f"one of {', '.join(QKV_SPLITS)}", self.qkv_split)
+        if self.hash_ints not in HASH_INTS:
+            _refuse("hash_ints", f"one of {', '.join(HASH_INTS)}", self.hash_ints)
         for name in ("flash_layout", "keys_on_device", "split_unit_axes", "mesh", "experimental"):
             if not isinstance(getattr(self, name), bool):
                 _refuse(name, "true or false", getattr(self, name))
@@ -147,7 +151,7 @@ class Schedule:
         """How the fusions are written under this schedule (block/form.py)."""
         seq_major = {n for n, lin in PARTIAL_SUMS.items() if self.sequence_parallel and lin not in self.chunked()}
         return Form(self.fusion_cuts(), self.masks, frozenset(self.segment_hints), self.qkv_split, self.flash_layout,
-                    self.keys_on_device, seq_major)
+                    self.keys_on_device, seq_major, self.hash_ints)
 
     def replace(self, **changes) -> "Schedule":
         return dataclasses.replace(self, **changes)
