@@ -6,11 +6,15 @@ neighbours' pointwise work at the block's shapes, and is it as fast as ATen's GE
 One GPU, no mesh, bf16. Each case is a small fusion written here (not the
 block's): a linear alone, with its bias, in 2D or 3D, then with the epilogues
 the block would give it (c_fc: bias + GELU-tanh; a row-parallel c_proj: bias +
-residual). Each runs as nvFuser runs it by default (ATen's GEMM, nvFuser's
-kernels around it), with fuse_matmul, and with nvFuser's own matmul kernel
-made to take it (MODES); against PyTorch eager on the same inputs (the
-oracle: max abs error, and the time). A case that fails says where
-nvFuser raised (its first line). Kernels: the names one profiled call ran.
+residual). Shapes are symbolic, or (`static`) declared as the block declares
+them, every extent given (a batch of 1 then a Broadcast dimension). Each runs
+as nvFuser runs it by default (ATen's GEMM, nvFuser's kernels around it), with
+fuse_matmul, and with nvFuser's own matmul kernel made to take it (MODES);
+against PyTorch eager on the same inputs (the oracle: max abs error). Times:
+the median of CUDA-event times taken in turn, a call of each mode per round,
+so that a GPU drifting at its power cap moves every mode alike. A case that
+fails says where nvFuser raised (its first line). Kernels: the names one
+profiled call ran.
 """
 from __future__ import annotations
 
@@ -32,14 +36,15 @@ def gelu_tanh(fd, x):   # GELU, tanh approximation, on fp32 values
     return fd.ops.mul(fd.ops.mul(x, 0.5), fd.ops.add(fd.ops.tanh(inner), 1.0))
 
 
-def define(case: str, dims: int) -> FusionDefinition:
-    """The fusion of one case."""
+def define(case: str, dims: int, shapes=None) -> FusionDefinition:
+    """The fusion of one case; shapes: (x, w, bias, res) as declared, or None (symbolic)."""
     bf16 = DataType.BFloat16
+    x_shape, w_shape, b_shape, r_shape = shapes or ([-1] * dims, [-1, -1], [-1], [-1] * dims)
     with FusionDefinition() as fd:
-        x = fd.define_tensor([-1] * dims, contiguity=True, dtype=bf16)
-        w = fd.define_tensor([-1, -1], contiguity=True, dtype=bf16)
-        bias = fd.define_tensor([-1], contiguity=True, dtype=bf16) if case != "linear" else None
-        res = fd.define_tensor([-1] * dims, contiguity=True, dtype=bf16) if case == "bias+residual" else None
+        x = fd.define_tensor(list(x_shape), contiguity=True, dtype=bf16)
+        w = fd.define_tensor(list(w_shape), contiguity=True, dtype=bf16)
+        bias = fd.define_tensor(list(b_shape), contiguity=True, dtype=bf16) if case != "linear" else None
+        res = fd.define_tensor(list(r_shape), contiguity=True, dtype=bf16) if case == "bias+residual" else None
         if case in ("linear", "linear+bias"):
             y = fd.ops.linear(x, w, bias)
         elif case == "bias+gelu":   # c_fc: bias and GELU in the epilogue
@@ -70,19 +75,22 @@ MODES = {"aten": {}, "fuse_matmul": {"_enable_options": ["fuse_matmul"]},
          "nvfuser_matmul": {"_enable_options": ["fuse_matmul"], "_disable_options": ["matmul_expr_eval"]}}
 
 
-def timed_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
+def timed_ms(fns: dict, iters: int) -> dict:
+    """{name: median ms} of each callable, timed in turn: a call of each per round."""
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
+    times = {name: [] for name in fns}
     for _ in range(iters):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+        for name, fn in fns.items():
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
 def kernels(fn) -> list[str]:
@@ -98,7 +106,7 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0][:300] if lines else ''}" + (f" [{where[:200]}]" if where else "")
 
 
-def run_case(case: str, dims: int, m_shape, k: int, n: int, iters: int) -> dict:
+def run_case(case: str, dims: int, m_shape, k: int, n: int, iters: int, static: bool = False) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(*m_shape, k, device="cuda", generator=gen).to(torch.bfloat16)
     w = (torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)).to(torch.bfloat16)
@@ -107,17 +115,22 @@ def run_case(case: str, dims: int, m_shape, k: int, n: int, iters: int) -> dict:
     inputs = [x, w] + ([bias] if case != "linear" else []) + ([res] if case == "bias+residual" else [])
     torch_fn = reference(case)
     want = torch_fn(*inputs)
-    out = {"case": case, "dims": dims, "m": list(m_shape), "k": k, "n": n,
-           "eager_ms": timed_ms(lambda: torch_fn(*inputs), iters), "eager_kernels": kernels(lambda: torch_fn(*inputs))}
+    shapes = (x.shape, w.shape, bias.shape, res.shape) if static else None
+    out = {"case": case, "dims": dims, "static": static, "m": list(m_shape), "k": k, "n": n,
+           "eager_kernels": kernels(lambda: torch_fn(*inputs))}
+    calls = {"eager": lambda: torch_fn(*inputs)}
     for mode, opts in MODES.items():   # a definition of its own each: nvFuser's kernel cache keys on the inputs only
-        call = (lambda fd, o: lambda: fd.execute(inputs, **o))(define(case, dims), opts)
+        call = (lambda fd, o: lambda: fd.execute(inputs, **o))(define(case, dims, shapes), opts)
         try:
             got = call()[0]
             out[mode] = {"ok": True, "max_abs_err": (got.float() - want.float()).abs().max().item(),
-                         "ms": timed_ms(call, iters), "kernels": kernels(call)}
+                         "kernels": kernels(call)}
+            calls[mode] = call
         except Exception as e:   # nvFuser's own error, recorded: what this probe is for
             out[mode] = {"ok": False, "error": first_line(e)}
         torch.cuda.synchronize()
+    for name, ms in timed_ms(calls, iters).items():
+        (out[name] if name in MODES else out).update({"ms" if name in MODES else "eager_ms": ms})
     return out
 
 
@@ -131,15 +144,17 @@ def main(argv=None) -> int:
     for name in args.preset:
         cfg = preset(name)
         e, tokens = cfg.n_embd, (cfg.batch, cfg.seq)
-        for case, dims, k, n in (("linear", 2, e, 4 * e), ("linear+bias", 2, e, 4 * e), ("linear+bias", 3, e, 4 * e),
-                                 ("bias+gelu", 2, e, 4 * e), ("bias+gelu", 3, e, 4 * e),
-                                 ("bias+residual", 3, 4 * e, e)):
+        for case, dims, k, n, static in (
+                ("linear", 2, e, 4 * e, False), ("linear+bias", 2, e, 4 * e, False), ("linear+bias", 3, e, 4 * e, False),
+                ("bias+gelu", 2, e, 4 * e, False), ("bias+gelu", 3, e, 4 * e, False), ("bias+residual", 3, 4 * e, e, False),
+                ("bias+gelu", 3, e, 4 * e, True), ("bias+residual", 3, 4 * e, e, True)):   # static: as the block
             m_shape = (tokens[0] * tokens[1],) if dims == 2 else tokens
-            row = {"preset": name, **run_case(case, dims, m_shape, k, n, args.iters)}
+            row = {"preset": name, **run_case(case, dims, m_shape, k, n, args.iters, static)}
             rows.append(row)
             cells = [f"{mode} " + (f"{row[mode]['ms']:.4f} ms err {row[mode]['max_abs_err']:.2g}" if row[mode]["ok"]
                                    else row[mode]["error"][:160]) for mode in MODES]
-            print(f"{name} {case} {dims}d: eager {row['eager_ms']:.4f} ms | " + " | ".join(cells), flush=True)
+            print(f"{name} {case} {dims}d{' static' if static else ''}: eager {row['eager_ms']:.4f} ms | "
+                  + " | ".join(cells), flush=True)
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)

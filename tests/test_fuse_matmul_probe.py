@@ -1,0 +1,31 @@
+"""tools/probes/fuse_matmul_probe.py on the CPU: the fusions its GPU run times.
+Its `static` cases declare every extent, as the block's fusions do; a batch of
+1 is then a Broadcast dimension, the premise of its gpt3 reproducer (NOTES.md:
+nvFuser's matmul scheduler throws on it)."""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools", "probes"))
+import fuse_matmul_probe as probe  # noqa: E402
+
+
+def _inputs(math: str) -> list[str]:
+    return [line.strip() for line in math.split("Inputs:")[1].split("Outputs:")[0].strip().splitlines()]
+
+
+def test_static_shapes_make_a_batch_of_one_a_broadcast_where_symbolic_ones_do_not():
+    gpt3 = ((1, 2048, 12288), (49152, 12288), (49152,), (1, 2048, 49152))
+    static = _inputs(probe.define("bias+gelu", 3, gpt3).fusion.print_math())
+    symbolic = _inputs(probe.define("bias+gelu", 3).fusion.print_math())
+    assert static[0] == "T0_g___bfloat[bS0{1}, iS1{2048}, iS2{12288}]"
+    assert "bS" not in " ".join(symbolic) and "{i0}" in symbolic[0]
+    nano = ((16, 128, 768), (3072, 768), (3072,), (16, 128, 3072))
+    assert "bS" not in " ".join(_inputs(probe.define("bias+gelu", 3, nano).fusion.print_math()))
+
+
+def test_every_case_builds_with_the_epilogue_it_names():
+    for case, ops in (("linear", ["linear"]), ("linear+bias", ["linear"]), ("bias+gelu", ["linear", "tanh"]),
+                      ("bias+residual", ["linear", "+"])):
+        math = probe.define(case, 3).fusion.print_math()
+        assert all(op in math for op in ops), case
+        assert len(_inputs(math)) == {"linear": 2, "bias+residual": 4}.get(case, 3), case
