@@ -300,3 +300,25 @@ def test_backward_inputs_take_q_k_v_views_of_qkv_as_they_are(dtype, monkeypatch)
     monkeypatch.setattr(laid, "validate_input", lambda name, t: None)
     dense = laid.backward_inputs(torch.zeros(b, s, cfg.n_embd), torch.zeros(b, s, cfg.n_embd), saved)
     assert all(dense[name].data_ptr() != view.data_ptr() for name, view in views.items())   # slice: laid out densely
+
+
+def test_q_k_v_views_at_a_batch_of_one_build_and_pass_uncopied():
+    """A batch of 1 (gpt3's) is a Broadcast dimension, whose contiguity nvFuser
+    wants None: the view form's backward declares q, k, v so and builds in both
+    dtypes; laid_out ignores the stride of a one-element dimension (here 1,
+    out of flash order) and hands such a view over uncopied."""
+    from tpfuser.parallel.passes import build_backward
+    from tpfuser.parallel.schedules import SCHEDULES
+    from tpfuser.runtime.block import laid_out
+    schedule = SCHEDULES["megatron-cut-linears"].replace(qkv_split="view")
+    for dtype in ("bf16", "fp32"):
+        cfg = preset("tiny", dtype=dtype, batch=1)
+        bhsd = f"shape={[1, cfg.n_head, cfg.seq, cfg.head_dim]}"
+        declared = [line for piece in build_backward(cfg, Layout(1, 2), schedule=schedule).pieces
+                    for line in str(piece.fd).splitlines() if bhsd in line and "define_tensor" in line]
+        assert sum("contiguity=[None, False, False, False]" in line for line in declared) == 3, declared
+    s, h, d = 16, 8, 8
+    view = torch.randn(s, h, 3 * d)[..., :d].unsqueeze(0).permute(0, 2, 1, 3)   # (1, h, s, d) over (s, h, d)
+    view = view.as_strided(view.shape, (1,) + view.stride()[1:])
+    assert laid_out(view, (0, 2, 1, 3), dense=False).data_ptr() == view.data_ptr()
+    assert laid_out(view, (0, 2, 1, 3)).data_ptr() != view.data_ptr()   # dense: laid out, a copy

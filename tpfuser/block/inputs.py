@@ -44,7 +44,7 @@ _KINDS = {"f32": DataType.Float, "u64": DataType.UInt64, "bool": DataType.Bool}
 
 def declared_order(name: str, cfg: BlockConfig, form: Form) -> tuple[int, ...] | None:
     """The memory order a fusion declares its input `name` in (tensors.memory_order; None:
-    contiguous, as for the dropout scalars)."""
+    its dimensions' own order, as for the dropout scalars; dense unless free_strides)."""
     if free_strides(name, form):
         return memory_order(BY_NAME[name], cfg)
     return memory_order(BY_NAME[name], cfg) if form.flash_layout and name in BY_NAME else None
@@ -52,9 +52,10 @@ def declared_order(name: str, cfg: BlockConfig, form: Form) -> tuple[int, ...] |
 
 def free_strides(name: str, form: Form) -> bool:
     """Whether a fusion declares input `name` with free strides, dense or not, in
-    declared_order: q, k, v as views of qkv (forward.split_heads "view"), in
-    flash attention's order whatever form.flash_layout says (the order ATen's
-    flash backward gives their gradients and nvFuser expects them in)."""
+    declared_order: q, k, v as views of qkv (forward.split_heads "view"); in
+    bf16 in flash attention's order whatever form.flash_layout says (the order
+    ATen's flash backward gives their gradients and nvFuser expects them in),
+    in fp32 in their own."""
     return form.qkv_split == "view" and name in ("q", "k", "v")
 
 
@@ -72,7 +73,8 @@ def input_definer(cfg: BlockConfig, form: Form):
             return fd.define_scalar(dtype=DataType.Int)
         t = BY_NAME[name]
         dtype = NV_DTYPE[cfg.torch_dtype] if t.dtype == "block" else _KINDS[t.dtype]
-        free = free_strides(name, form)
-        return fd.define_tensor(shape=list(t.shape(cfg)), contiguity=[False] * len(t.dims) if free else True,
-                                dtype=dtype, stride_order=stride_order(declared_order(name, cfg, form)))
+        shape = list(t.shape(cfg))   # an extent of 1 is a Broadcast, whose contiguity nvFuser wants None
+        contiguity = [None if n == 1 else False for n in shape] if free_strides(name, form) else True
+        return fd.define_tensor(shape=shape, contiguity=contiguity, dtype=dtype,
+                                stride_order=stride_order(declared_order(name, cfg, form)))
     return define_input

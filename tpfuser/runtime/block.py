@@ -40,7 +40,8 @@ def laid_out(t: torch.Tensor, order: tuple[int, ...] | None, dense: bool = True)
     t is not so already. dense=False (inputs.free_strides): t as it is if its
     strides fall in `order` (q, k, v as views of qkv)."""
     order = tuple(range(t.dim())) if order is None else order
-    if not dense and all(t.stride(a) >= t.stride(b) for a, b in zip(order, order[1:])):
+    spanned = [d for d in order if t.size(d) != 1]   # one element: no stride to keep
+    if not dense and all(t.stride(a) >= t.stride(b) for a, b in zip(spanned, spanned[1:])):
         return t
     inverse = sorted(range(len(order)), key=order.__getitem__)
     return t.permute(order).contiguous().permute(inverse)
@@ -82,8 +83,7 @@ def seeded_cuda_generator(device: torch.device, seed: int):
         gen.set_state(state)
 
 
-def capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph."""
+def capturing() -> bool:   # whether the current CUDA stream is capturing a graph
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
