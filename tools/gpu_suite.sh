@@ -193,7 +193,7 @@ step_peersgpt3() {
     --iters $(((${ITERS:-30} + 1) / 2)) --impl "${PEERS_GPT3_IMPLS:-nvfuser-graph,eager,$PEERS}" 2>&1 | tee "$OUT/peersgpt3.log"
 }
 
-SPEED_SCHEDULES=${SPEED_SCHEDULES:-tools/schedules/speed-qkv-view.json tools/schedules/speed-hash-uint64.json tools/schedules/speed-qkv-view-masks-inline.json tools/schedules/speed-qkv-view-masks-inline-uint64.json}
+SPEED_SCHEDULES=${SPEED_SCHEDULES:-megatron-inline-masks tools/schedules/speed-qkv-view.json tools/schedules/speed-hash-uint64.json tools/schedules/speed-qkv-view-masks-inline.json tools/schedules/speed-qkv-view-masks-inline-uint64.json}
 step_speed() {   # the peers' benches (peersfwd, peerstrain) with these implementations, then the checks
   local s impls="nvfuser-graph" jobs=""
   for s in $SPEED_SCHEDULES; do impls+=",nvfuser-graph@$s"; jobs+=" nano11@$s"; done

@@ -76,15 +76,17 @@ MODES = {"aten": {}, "fuse_matmul": {"_enable_options": ["fuse_matmul"]},
 
 
 def timed_ms(fns: dict, iters: int) -> dict:
-    """{name: median ms} of each callable, timed in turn: a call of each per round."""
+    """{name: median ms} of each callable, timed in turn: a call of each per round,
+    the round's order rotated each time (no place in it favoured)."""
     for fn in fns.values():
         for _ in range(3):
             fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = {name: [] for name in fns}
-    for _ in range(iters):
-        for name, fn in fns.items():
+    order = list(fns.items())
+    for i in range(iters):
+        for name, fn in order[i % len(order):] + order[:i % len(order)]:
             start.record()
             fn()
             end.record()
