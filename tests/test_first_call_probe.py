@@ -34,6 +34,10 @@ def test_each_execute_gets_its_own_segmenting_compile_and_kernels():
     assert abs(first["compile_wall_s"] - 0.7) < 1e-9   # the caller's, not the workers' 0.6 + 0.3 on top
     assert first["kernels"] == 2 and abs(first["nvrtc_sum_s"] - 0.75) < 1e-9 and abs(first["nvrtc_max_s"] - 0.5) < 1e-9
     assert second["kernels"] == 1 and second["segmenting_s"] == 0 and abs(second["wall_s"] - 0.5) < 1e-9
+    # the wall time by what runs directly inside the execute on its thread (the workers' scopes are not)
+    assert list(first["steps_s"]) == [SEG, COMPILE] and abs(first["steps_s"][SEG] - 1.0) < 1e-9
+    assert abs(first["steps_s"][COMPILE] - 0.7) < 1e-9 and abs(first["untraced_s"] - 0.3) < 1e-9
+    assert list(second["steps_s"]) == [COMPILE] and abs(second["untraced_s"] - 0.3) < 1e-9
 
 
 def test_the_backward_on_autograds_thread_is_counted():

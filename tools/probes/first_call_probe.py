@@ -28,9 +28,10 @@ from tpfuser.bench.startup import CALLING, COMPILING, SEGMENTING, TRACE_EVENT  #
 PHASES = {SEGMENTING: "segmenting_s", COMPILING: "compile_wall_s"}
 
 
-def closed_scopes(text: str) -> list[tuple[str, str, float, float, bool]]:
+def closed_scopes(text: str) -> list[tuple[str, str, float, float, bool, int]]:
     """Every closed scope of an NVFUSER_TRACE text: (name, thread, begin, end
-    in us, whether it is the outermost of its name on its thread)."""
+    in us, whether it is the outermost of its name on its thread, its depth
+    there: how many scopes enclose it)."""
     spans, stacks = [], {}
     for m in TRACE_EVENT.finditer(text):
         stack = stacks.setdefault(m["tid"], [])
@@ -38,23 +39,31 @@ def closed_scopes(text: str) -> list[tuple[str, str, float, float, bool]]:
             stack.append((m["name"], float(m["ts"])))
         elif stack:
             opened, begun = stack.pop()
-            spans.append((opened, m["tid"], begun, float(m["ts"]), not any(n == opened for n, _ in stack)))
+            spans.append((opened, m["tid"], begun, float(m["ts"]), not any(n == opened for n, _ in stack),
+                          len(stack)))
     return spans
 
 
 def split(text: str) -> list[dict]:
     """One row per outermost execute, in time order, on whatever thread ran it
     (the backward runs on autograd's): its wall time, its segmenting and
-    compile wall time on that thread, and the kernels compiled and NVRTC's
-    time on any thread inside its window."""
+    compile wall time on that thread, the kernels compiled and NVRTC's time
+    on any thread inside its window, and its wall time by the scopes directly
+    inside it on its thread (`steps_s`, by name; `untraced_s`: in none)."""
     spans = closed_scopes(text)
-    calls = sorted((b, e, tid) for n, tid, b, e, outer in spans if n == CALLING and outer)
+    calls = sorted((b, e, tid, depth) for n, tid, b, e, outer, depth in spans if n == CALLING and outer)
     rows = []
-    for b, e, caller in calls:
-        inside = [(n, tid, sb, se, outer) for n, tid, sb, se, outer in spans if sb >= b and se <= e]
+    for b, e, caller, depth in calls:
+        inside = [(n, tid, sb, se, outer) for n, tid, sb, se, outer, _ in spans if sb >= b and se <= e]
         row = {"wall_s": (e - b) * 1e-6}
         for scope, key in PHASES.items():
             row[key] = sum(se - sb for n, tid, sb, se, outer in inside if n == scope and tid == caller and outer) * 1e-6
+        steps = {}
+        for n, tid, sb, se, _, d in spans:
+            if tid == caller and d == depth + 1 and sb >= b and se <= e:
+                steps[n] = steps.get(n, 0.0) + (se - sb) * 1e-6
+        row["steps_s"] = dict(sorted(steps.items(), key=lambda item: -item[1]))
+        row["untraced_s"] = row["wall_s"] - sum(steps.values())
         nvrtc = [se - sb for n, _, sb, se, _ in inside if n == "executor_utils::NVRTC"]
         row["kernels"] = sum(1 for n, *_ in inside if n == "KernelExecutor::compile")
         row["nvrtc_compiles"] = sum(1 for n, *_ in inside if n == "executor_utils::Nvrtc::CompileProgram")   # (not read back)
