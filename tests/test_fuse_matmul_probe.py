@@ -29,3 +29,17 @@ def test_every_case_builds_with_the_epilogue_it_names():
         math = probe.define(case, 3).fusion.print_math()
         assert all(op in math for op in ops), case
         assert len(_inputs(math)) == {"linear": 2, "bias+residual": 4}.get(case, 3), case
+
+
+def test_the_squeezed_form_runs_a_2d_linear_between_the_blocks_3d_shapes():
+    """The way round a static batch of 1: the linear on 2D operands (no
+    Broadcast dimension for the matmul scheduler to map), the fusion's input
+    and output still 3D as the block's."""
+    gpt3 = ((1, 2048, 49152), (12288, 49152), (12288,), (1, 2048, 12288))
+    math = probe.define("bias+residual", 3, gpt3, squeeze=True).fusion.print_math()
+    operand = next(line for line in math.splitlines() if "= linear(" in line)   # the linear's first operand
+    assert operand.count("{") == 2   # (m, k): no batch dimension
+    assert "squeeze(" in math and _inputs(math)[0].startswith("T0_g___bfloat[bS0{1}")
+    assert "bS" in math.split("Outputs:")[1].split("%kernel_math")[0]   # the output 3D, its batch broadcast back
+    unsqueezed = probe.define("bias+residual", 3, gpt3).fusion.print_math()
+    assert next(line for line in unsqueezed.splitlines() if "= linear(" in line).count("{") == 3
