@@ -5,6 +5,8 @@ nvFuser's matmul scheduler throws on it)."""
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools", "probes"))
 import fuse_matmul_probe as probe  # noqa: E402
 
@@ -31,12 +33,15 @@ def test_every_case_builds_with_the_epilogue_it_names():
         assert len(_inputs(math)) == {"linear": 2, "bias+residual": 4}.get(case, 3), case
 
 
-def test_the_squeezed_form_runs_a_2d_linear_between_the_blocks_3d_shapes():
+@pytest.mark.parametrize("squeeze", probe.SQUEEZES)
+def test_the_squeezed_forms_run_a_2d_linear_between_the_blocks_3d_shapes(squeeze):
     """The way round a static batch of 1: the linear on 2D operands (no
     Broadcast dimension for the matmul scheduler to map), the fusion's input
-    and output still 3D as the block's."""
+    and output still 3D as the block's, the residual read 2D (broadcast back
+    last) or 3D (early)."""
     gpt3 = ((1, 2048, 49152), (12288, 49152), (12288,), (1, 2048, 12288))
-    math = probe.define("bias+residual", 3, gpt3, squeeze=True).fusion.print_math()
+    math = probe.define("bias+residual", 3, gpt3, squeeze=squeeze).fusion.print_math()
+    assert ("squeeze( T3_g" in math) == (squeeze == "last")   # the residual, T3, squeezed where the epilogue is 2D
     operand = next(line for line in math.splitlines() if "= linear(" in line)   # the linear's first operand
     assert operand.count("{") == 2   # (m, k): no batch dimension
     assert "squeeze(" in math and _inputs(math)[0].startswith("T0_g___bfloat[bS0{1}")

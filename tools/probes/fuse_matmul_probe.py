@@ -36,12 +36,17 @@ def gelu_tanh(fd, x):   # GELU, tanh approximation, on fp32 values
     return fd.ops.mul(fd.ops.mul(x, 0.5), fd.ops.add(fd.ops.tanh(inner), 1.0))
 
 
-def define(case: str, dims: int, shapes=None, squeeze: bool = False) -> FusionDefinition:
+SQUEEZES = ("last", "early")   # where a squeezed case broadcasts its batch of 1 back (define)
+
+
+def define(case: str, dims: int, shapes=None, squeeze: str | None = None) -> FusionDefinition:
     """The fusion of one case; shapes: (x, w, bias, res) as declared, or None
-    (symbolic). squeeze: x's and res's leading extent-1 dimension (a static
-    batch of 1, a Broadcast) squeezed before the linear and the output
-    broadcast back after, the linear 2D: a way round gpt3's failure, where
-    the matmul scheduler admits a squeeze between an input and its linear."""
+    (symbolic). squeeze: x's leading extent-1 dimension (a static batch of 1,
+    a Broadcast) squeezed before the linear, which runs on 2D operands (the
+    matmul scheduler admits a squeeze between an input and its linear: a way
+    round gpt3's failure), and broadcast back "last" (the epilogue in 2D too,
+    res squeezed alike) or "early" (right after the linear, the epilogue in
+    3D, as the block's fusions would write it)."""
     bf16 = DataType.BFloat16
     x_shape, w_shape, b_shape, r_shape = shapes or ([-1] * dims, [-1, -1], [-1], [-1] * dims)
     with FusionDefinition() as fd:
@@ -49,21 +54,24 @@ def define(case: str, dims: int, shapes=None, squeeze: bool = False) -> FusionDe
         w = fd.define_tensor(list(w_shape), contiguity=True, dtype=bf16)
         bias = fd.define_tensor(list(b_shape), contiguity=True, dtype=bf16) if case != "linear" else None
         res = fd.define_tensor(list(r_shape), contiguity=True, dtype=bf16) if case == "bias+residual" else None
-        if squeeze:
-            x = fd.ops.squeeze(x, dims=[0])
-            res = fd.ops.squeeze(res, dims=[0]) if res is not None else None
+
+        def unsqueezed(y):   # (m, n) -> (1, m, n)
+            return fd.ops.broadcast_in_dim(y, shape=[1, *x_shape[1:-1], w_shape[0]], broadcast_dims=[1, 2])
+
+        def linear(a, b=None):
+            y = fd.ops.linear(fd.ops.squeeze(a, dims=[0]) if squeeze else a, w, b)
+            return unsqueezed(y) if squeeze == "early" else y
+        if squeeze == "last" and res is not None:
+            res = fd.ops.squeeze(res, dims=[0])
         if case in ("linear", "linear+bias"):
-            y = fd.ops.linear(x, w, bias)
+            y = linear(x, bias)
         elif case == "bias+gelu":   # c_fc: bias and GELU in the epilogue
-            y = fd.ops.cast(gelu_tanh(fd, fd.ops.cast(fd.ops.linear(x, w, bias), DataType.Float)), bf16)
+            y = fd.ops.cast(gelu_tanh(fd, fd.ops.cast(linear(x, bias), DataType.Float)), bf16)
         else:   # a row-parallel linear's output: its bias added after the GEMM, then the residual
-            y = fd.ops.linear(x, w)
-            y = fd.ops.add(fd.ops.add(fd.ops.cast(y, DataType.Float), fd.ops.cast(bias, DataType.Float)),
+            y = fd.ops.add(fd.ops.add(fd.ops.cast(linear(x), DataType.Float), fd.ops.cast(bias, DataType.Float)),
                            fd.ops.cast(res, DataType.Float))
             y = fd.ops.cast(y, bf16)
-        if squeeze:
-            y = fd.ops.broadcast_in_dim(y, shape=[1, *x_shape[1:-1], w_shape[0]], broadcast_dims=[1, 2])
-        fd.add_output(y)
+        fd.add_output(unsqueezed(y) if squeeze == "last" else y)
     return fd
 
 
@@ -118,7 +126,7 @@ def first_line(e: BaseException) -> str:
 
 
 def run_case(case: str, dims: int, m_shape, k: int, n: int, iters: int, static: bool = False,
-             squeeze: bool = False) -> dict:
+             squeeze: str | None = None) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(*m_shape, k, device="cuda", generator=gen).to(torch.bfloat16)
     w = (torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)).to(torch.bfloat16)
@@ -161,12 +169,12 @@ def main(argv=None) -> int:
                 ("bias+gelu", 2, e, 4 * e, False), ("bias+gelu", 3, e, 4 * e, False), ("bias+residual", 3, 4 * e, e, False),
                 ("bias+gelu", 3, e, 4 * e, True), ("bias+residual", 3, 4 * e, e, True)):   # static: as the block
             m_shape = (tokens[0] * tokens[1],) if dims == 2 else tokens
-            for squeeze in (False, True) if static and tokens[0] == 1 else (False,):
+            for squeeze in (None, *SQUEEZES) if static and tokens[0] == 1 else (None,):
                 row = {"preset": name, **run_case(case, dims, m_shape, k, n, args.iters, static, squeeze)}
                 rows.append(row)
                 cells = [f"{mode} " + (f"{row[mode]['ms']:.4f} ms err {row[mode]['max_abs_err']:.2g}"
                                        if row[mode]["ok"] else row[mode]["error"][:160]) for mode in MODES]
-                form = " static" * static + " squeezed" * squeeze
+                form = " static" * static + (f" squeezed, back {squeeze}" if squeeze else "")
                 print(f"{name} {case} {dims}d{form}: eager {row['eager_ms']:.4f} ms | " + " | ".join(cells), flush=True)
             if args.json:
                 with open(args.json, "w") as f:
