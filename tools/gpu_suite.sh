@@ -203,8 +203,8 @@ step_speed() {   # the peers' benches (peersfwd, peerstrain) with these implemen
 
 step_fmprobe() {
   echo "== nvFuser's own matmul kernels (fuse_matmul) at the block's shapes, against ATen's GEMM (tools/probes/fuse_matmul_probe.py)"
-  T ${FMPROBE_S:-200} -- python3 tools/probes/fuse_matmul_probe.py --preset ${FMPROBE_PRESETS:-nanogpt gpt3} \
-    --json "$OUT/fmprobe.json" 2>&1 | tee "$OUT/fmprobe.log" | grep -v "^\[" | tail -20
+  T ${FMPROBE_S:-300} -- python3 tools/probes/fuse_matmul_probe.py --preset ${FMPROBE_PRESETS:-nanogpt gpt3} \
+    --json "$OUT/fmprobe.json" 2>&1 | tee "$OUT/fmprobe.log" | grep -v "^\[" | tail -24
 }
 
 step_startup() {
