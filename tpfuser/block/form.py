@@ -67,6 +67,7 @@ class Form:
     keys_on_device: bool = False
     seq_major: frozenset[str] = field(default_factory=frozenset)
     hash_ints: str = "int64"
+    squeeze_unit_batch: bool = False   # a batch of 1: the forward's linears on 2D operands (forward.linear)
 
     def __post_init__(self):
         for name in ("cuts", "hints", "seq_major"):

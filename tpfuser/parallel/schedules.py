@@ -43,6 +43,7 @@ class Schedule:
     chunk's too; overlap "streams" runs its host IR with its own); fusion_options: more for some fusions, by the cut
     point each begins at ("" the first), e.g. {"mlp.c_fc.out": {"disable_options": ["infer_contiguity"]}}.
     mesh=False: the fusions without a device mesh (1x1 only), run by nvFuser's single-device executor.
+    squeeze_unit_batch: block/form.py's, with mesh=False only (a way to nvFuser's matmul kernel at gpt3, untried).
     experimental: run what nvFuser 0.2.36 is known to fail (known_failure), to try a way round it."""
 
     name: str
@@ -59,6 +60,7 @@ class Schedule:
     disable_options: tuple[str, ...] = ()
     fusion_options: dict = field(default_factory=dict)
     mesh: bool = True
+    squeeze_unit_batch: bool = False
     experimental: bool = False
 
     def __post_init__(self):
@@ -108,7 +110,7 @@ class Schedule:
             _refuse("qkv_split", f"one of {', '.join(QKV_SPLITS)}", self.qkv_split)
         if self.hash_ints not in HASH_INTS:
             _refuse("hash_ints", f"one of {', '.join(HASH_INTS)}", self.hash_ints)
-        for name in ("flash_layout", "keys_on_device", "split_unit_axes", "mesh", "experimental"):
+        for name in ("flash_layout", "keys_on_device", "split_unit_axes", "mesh", "squeeze_unit_batch", "experimental"):
             if not isinstance(getattr(self, name), bool):
                 _refuse(name, "true or false", getattr(self, name))
 
@@ -151,7 +153,7 @@ class Schedule:
         """How the fusions are written under this schedule (block/form.py)."""
         seq_major = {n for n, lin in PARTIAL_SUMS.items() if self.sequence_parallel and lin not in self.chunked()}
         return Form(self.fusion_cuts(), self.masks, frozenset(self.segment_hints), self.qkv_split, self.flash_layout,
-                    self.keys_on_device, seq_major, self.hash_ints)
+                    self.keys_on_device, seq_major, self.hash_ints, self.squeeze_unit_batch)
 
     def replace(self, **changes) -> "Schedule":
         return dataclasses.replace(self, **changes)
@@ -180,6 +182,8 @@ class Schedule:
                              f"1x1 only (what crosses a hint is not placed on the mesh; experimental: true runs it)")
         if not self.mesh and layout.world_size != 1:
             raise ValueError(f"schedule {self.name!r}: mesh=false needs a 1x1 layout, got {layout.dp}x{layout.tp}")
+        if self.squeeze_unit_batch and self.mesh:
+            raise ValueError(f"schedule {self.name!r}: squeeze_unit_batch needs mesh=false (no mesh split to squeeze)")
         for linear, plan in self.chunked().items():
             if plan.overlap == "ring":   # a step per rank: the rank's part of the sequence, whatever its length
                 if plan.chunks not in (1, layout.tp):
