@@ -34,10 +34,28 @@ def test_each_execute_gets_its_own_segmenting_compile_and_kernels():
     assert abs(first["compile_wall_s"] - 0.7) < 1e-9   # the caller's, not the workers' 0.6 + 0.3 on top
     assert first["kernels"] == 2 and abs(first["nvrtc_sum_s"] - 0.75) < 1e-9 and abs(first["nvrtc_max_s"] - 0.5) < 1e-9
     assert second["kernels"] == 1 and second["segmenting_s"] == 0 and abs(second["wall_s"] - 0.5) < 1e-9
-    # the wall time by what runs directly inside the execute on its thread (the workers' scopes are not)
-    assert list(first["steps_s"]) == [SEG, COMPILE] and abs(first["steps_s"][SEG] - 1.0) < 1e-9
-    assert abs(first["steps_s"][COMPILE] - 0.7) < 1e-9 and abs(first["untraced_s"] - 0.3) < 1e-9
-    assert list(second["steps_s"]) == [COMPILE] and abs(second["untraced_s"] - 0.3) < 1e-9
+    # the caller's wall time by the scope it was spent in (the workers' scopes are not the caller's)
+    assert abs(first["self_s"][SEG] - 1.0) < 1e-9 and abs(first["self_s"][COMPILE] - 0.7) < 1e-9
+    assert set(first["self_s"]) == {SEG, COMPILE} and abs(first["untraced_s"] - 0.3) < 1e-9
+    assert abs(second["self_s"][COMPILE] - 0.0002) < 1e-9 and abs(second["self_s"][NVRTC] - 0.1) < 1e-9
+    assert abs(second["self_s"][KERNEL] - 0.0998) < 1e-9 and abs(second["untraced_s"] - 0.3) < 1e-9
+
+
+def test_time_is_put_in_the_innermost_scope_as_nvfuser_nests_them():
+    """nvFuser 0.2.36 nests segmenting and the heuristics' meta inference two
+    and three scopes under the execute (results/2026-12-06c/run51's trace):
+    each gets its own time, its parents what is left to them."""
+    get, ctor, heur, meta = ("FusionExecutorCache::getKernelRuntimeFor", "FusionKernelRuntime::FusionKernelRuntime",
+                             "FusionKernelRuntime::getMaybeHeuristicsFor", "inferOutputMetaTensor")
+    events = [(RUN, "B", 7, 0), (get, "B", 7, 100_000), (ctor, "B", 7, 200_000), (SEG, "B", 7, 300_000),
+              (SEG, "E", 7, 800_000), (ctor, "E", 7, 900_000), (heur, "B", 7, 1_000_000), (meta, "B", 7, 1_100_000),
+              (meta, "E", 7, 3_100_000), (heur, "E", 7, 3_200_000), (get, "E", 7, 3_300_000),
+              (COMPILE, "B", 7, 3_400_000), (COMPILE, "E", 7, 3_600_000), (RUN, "E", 7, 4_000_000)]
+    text = "{\n\"traceEvents\": [\n" + "\n".join(EVENT.format(*e) for e in events)
+    (row,) = first_call_probe.split(text)
+    want = {meta: 2.0, SEG: 0.5, get: 0.3, ctor: 0.2, heur: 0.2, COMPILE: 0.2}
+    assert list(row["self_s"]) == list(want) and all(abs(row["self_s"][k] - v) < 1e-9 for k, v in want.items())
+    assert abs(row["untraced_s"] - 0.6) < 1e-9 and abs(sum(row["self_s"].values()) + row["untraced_s"] - 4.0) < 1e-9
 
 
 def test_the_backward_on_autograds_thread_is_counted():

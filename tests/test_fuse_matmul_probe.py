@@ -52,9 +52,9 @@ def test_the_squeezed_forms_run_a_2d_linear_between_the_blocks_3d_shapes(squeeze
 
 def test_the_blocks_squeezed_linears_are_the_probes_early_form():
     """squeeze_unit_batch (a schedule field, mesh=false only): at a batch of 1
-    every forward linear takes 2D operands and its product is broadcast back
-    at once, fmprobe's "early" form; at any other batch, and without the
-    field, the fusions are the default's."""
+    the linears it names (here c_fc) take 2D operands and their products are
+    broadcast back at once, fmprobe's "early" form; the others, every linear
+    at any other batch, and all without the field are the default's."""
     from tpfuser.config import Layout, preset
     from tpfuser.parallel.passes import build_forward
     from tpfuser.parallel.schedules import SCHEDULES, load_schedule
@@ -66,8 +66,10 @@ def test_the_blocks_squeezed_linears_are_the_probes_early_form():
     def operands(cfg, schedule):   # each linear's first operand, as printed (mesh=false: no layout, as the block)
         math = "".join(p.fd.fusion.print_math() for p in build_forward(cfg, None, schedule=schedule).pieces)
         return [line.strip() for line in math.splitlines() if "= linear(" in line]
-    assert [o.count("{") for o in operands(one, squeezed)] == [2, 2, 2, 2]
+    assert [o.count("{") for o in operands(one, squeezed)] == [3, 3, 2, 3]   # c_attn, attn c_proj, c_fc, c_proj
     assert [o.count("{") for o in operands(one, plain)] == [3, 3, 3, 3]
     assert operands(many, squeezed) == operands(many, plain)
     with pytest.raises(ValueError, match="squeeze_unit_batch needs mesh=false"):
         squeezed.replace(mesh=True).check(one, Layout())
+    with pytest.raises(ValueError, match=r"'squeeze_unit_batch': expected linears among .*, got \['mlp.fc'\]"):
+        squeezed.replace(squeeze_unit_batch=["mlp.fc"])

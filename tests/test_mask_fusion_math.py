@@ -87,6 +87,7 @@ def run_printed(fd, values):
     exec(str(fd), scope)
     stand_in = _Fd(values)
     scope["nvfuser_fusion"](stand_in)
+    assert not stand_in.values, f"inputs left unread: {stand_in.values}"
     return stand_in.outputs
 
 

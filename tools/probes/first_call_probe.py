@@ -28,19 +28,21 @@ from tpfuser.bench.startup import CALLING, COMPILING, SEGMENTING, TRACE_EVENT  #
 PHASES = {SEGMENTING: "segmenting_s", COMPILING: "compile_wall_s"}
 
 
-def closed_scopes(text: str) -> list[tuple[str, str, float, float, bool, int]]:
+def closed_scopes(text: str) -> list[tuple[str, str, float, float, bool, float]]:
     """Every closed scope of an NVFUSER_TRACE text: (name, thread, begin, end
-    in us, whether it is the outermost of its name on its thread, its depth
-    there: how many scopes enclose it)."""
+    in us, whether it is the outermost of its name on its thread, its own
+    time in us: its span less the scopes directly inside it on its thread)."""
     spans, stacks = [], {}
     for m in TRACE_EVENT.finditer(text):
         stack = stacks.setdefault(m["tid"], [])
         if m["ph"] == "B":
-            stack.append((m["name"], float(m["ts"])))
+            stack.append([m["name"], float(m["ts"]), 0.0])   # name, begin, time of the scopes inside
         elif stack:
-            opened, begun = stack.pop()
-            spans.append((opened, m["tid"], begun, float(m["ts"]), not any(n == opened for n, _ in stack),
-                          len(stack)))
+            opened, begun, nested = stack.pop()
+            end = float(m["ts"])
+            if stack:
+                stack[-1][2] += end - begun
+            spans.append((opened, m["tid"], begun, end, not any(n == opened for n, *_ in stack), end - begun - nested))
     return spans
 
 
@@ -48,22 +50,24 @@ def split(text: str) -> list[dict]:
     """One row per outermost execute, in time order, on whatever thread ran it
     (the backward runs on autograd's): its wall time, its segmenting and
     compile wall time on that thread, the kernels compiled and NVRTC's time
-    on any thread inside its window, and its wall time by the scopes directly
-    inside it on its thread (`steps_s`, by name; `untraced_s`: in none)."""
+    on any thread inside its window, and its wall time on its thread by the
+    scope it was spent in, innermost (`self_s`, by name, nested scopes
+    excluded; `untraced_s`: in the execute's own scope, in none inside it)."""
     spans = closed_scopes(text)
-    calls = sorted((b, e, tid, depth) for n, tid, b, e, outer, depth in spans if n == CALLING and outer)
+    calls = sorted((b, e, tid) for n, tid, b, e, outer, _ in spans if n == CALLING and outer)
     rows = []
-    for b, e, caller, depth in calls:
+    for b, e, caller in calls:
         inside = [(n, tid, sb, se, outer) for n, tid, sb, se, outer, _ in spans if sb >= b and se <= e]
         row = {"wall_s": (e - b) * 1e-6}
         for scope, key in PHASES.items():
             row[key] = sum(se - sb for n, tid, sb, se, outer in inside if n == scope and tid == caller and outer) * 1e-6
-        steps = {}
-        for n, tid, sb, se, _, d in spans:
-            if tid == caller and d == depth + 1 and sb >= b and se <= e:
-                steps[n] = steps.get(n, 0.0) + (se - sb) * 1e-6
-        row["steps_s"] = dict(sorted(steps.items(), key=lambda item: -item[1]))
-        row["untraced_s"] = row["wall_s"] - sum(steps.values())
+        own = {}
+        for n, tid, sb, se, _, mine in spans:
+            if tid == caller and sb >= b and se <= e and (sb, se) != (b, e):
+                own[n] = own.get(n, 0.0) + mine * 1e-6
+        row["self_s"] = dict(sorted(own.items(), key=lambda item: -item[1]))
+        row["untraced_s"] = next(mine for n, tid, sb, se, _, mine in spans
+                                 if n == CALLING and tid == caller and (sb, se) == (b, e)) * 1e-6
         nvrtc = [se - sb for n, _, sb, se, _ in inside if n == "executor_utils::NVRTC"]
         row["kernels"] = sum(1 for n, *_ in inside if n == "KernelExecutor::compile")
         row["nvrtc_compiles"] = sum(1 for n, *_ in inside if n == "executor_utils::Nvrtc::CompileProgram")   # (not read back)

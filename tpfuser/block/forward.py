@@ -74,13 +74,13 @@ def keep_mask(b: Pieces, cfg: BlockConfig, stream: str, form: Form):
 
 
 def linear(b: Pieces, name: str, x, cfg: BlockConfig, form: Form, bias: bool = True):
-    """x times the linear `name`'s weight transposed (plus its bias). With
-    form.squeeze_unit_batch and a batch of 1, on x with that batch squeezed
-    out, the product broadcast back: a static extent of 1 is a Broadcast,
-    which nvFuser's matmul scheduler cannot map, while 2D operands it takes
-    (tools/probes/fuse_matmul_probe.py's static and squeezed cases)."""
+    """x times the linear `name`'s weight transposed (plus its bias). For a
+    linear in form.squeeze_unit_batch at a batch of 1, on x with that batch
+    squeezed out, the product broadcast back: a static extent of 1 is a
+    Broadcast, which nvFuser's matmul scheduler cannot map, while 2D operands
+    it takes (tools/probes/fuse_matmul_probe.py's static and squeezed cases)."""
     weight, bias_tv = b[f"{name}.weight"], b[f"{name}.bias"] if bias else None
-    if not (form.squeeze_unit_batch and cfg.batch == 1):
+    if not (name in form.squeeze_unit_batch and cfg.batch == 1):
         return b.ops.linear(x, weight, bias_tv)
     y = b.ops.linear(b.ops.squeeze(x, dims=[0]), weight, bias_tv)
     return b.ops.broadcast_in_dim(y, shape=[1, cfg.seq, param_shapes(cfg)[f"{name}.weight"][0]], broadcast_dims=[1, 2])

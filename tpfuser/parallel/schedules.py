@@ -43,7 +43,7 @@ class Schedule:
     chunk's too; overlap "streams" runs its host IR with its own); fusion_options: more for some fusions, by the cut
     point each begins at ("" the first), e.g. {"mlp.c_fc.out": {"disable_options": ["infer_contiguity"]}}.
     mesh=False: the fusions without a device mesh (1x1 only), run by nvFuser's single-device executor.
-    squeeze_unit_batch: block/form.py's, with mesh=False only (a way to nvFuser's matmul kernel at gpt3, untried).
+    squeeze_unit_batch: linears by name, block/form.py's; mesh=False only (a way to nvFuser's matmul kernel at gpt3).
     experimental: run what nvFuser 0.2.36 is known to fail (known_failure), to try a way round it."""
 
     name: str
@@ -60,7 +60,7 @@ class Schedule:
     disable_options: tuple[str, ...] = ()
     fusion_options: dict = field(default_factory=dict)
     mesh: bool = True
-    squeeze_unit_batch: bool = False
+    squeeze_unit_batch: tuple[str, ...] = ()
     experimental: bool = False
 
     def __post_init__(self):
@@ -77,7 +77,7 @@ class Schedule:
         if len(sp) > 1:
             _refuse("linears", "every linear sequence-parallel ('-sp' styles) or none (the regions between "
                     "them are either split over the sequence or not)", {k: v.style for k, v in self.linears.items()})
-        for name in ("cuts", "segment_hints", "enable_options", "disable_options"):
+        for name in ("cuts", "segment_hints", "enable_options", "disable_options", "squeeze_unit_batch"):
             value = getattr(self, name)
             if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
                 _refuse(name, "a list of strings", value)
@@ -110,7 +110,9 @@ class Schedule:
             _refuse("qkv_split", f"one of {', '.join(QKV_SPLITS)}", self.qkv_split)
         if self.hash_ints not in HASH_INTS:
             _refuse("hash_ints", f"one of {', '.join(HASH_INTS)}", self.hash_ints)
-        for name in ("flash_layout", "keys_on_device", "split_unit_axes", "mesh", "squeeze_unit_batch", "experimental"):
+        if set(self.squeeze_unit_batch) - set(LINEARS):
+            _refuse("squeeze_unit_batch", f"linears among {', '.join(LINEARS)}", list(self.squeeze_unit_batch))
+        for name in ("flash_layout", "keys_on_device", "split_unit_axes", "mesh", "experimental"):
             if not isinstance(getattr(self, name), bool):
                 _refuse(name, "true or false", getattr(self, name))
 
@@ -153,7 +155,7 @@ class Schedule:
         """How the fusions are written under this schedule (block/form.py)."""
         seq_major = {n for n, lin in PARTIAL_SUMS.items() if self.sequence_parallel and lin not in self.chunked()}
         return Form(self.fusion_cuts(), self.masks, frozenset(self.segment_hints), self.qkv_split, self.flash_layout,
-                    self.keys_on_device, seq_major, self.hash_ints, self.squeeze_unit_batch)
+                    self.keys_on_device, seq_major, self.hash_ints, frozenset(self.squeeze_unit_batch))
 
     def replace(self, **changes) -> "Schedule":
         return dataclasses.replace(self, **changes)
