@@ -220,6 +220,18 @@ def test_fusion_summary_counts_what_aten_runs():
     assert aten_calls(text) == {"linear": 4, "matmul": 2} and "flash" not in text
 
 
+def test_fusion_summary_says_where_fuse_matmul_may_take_a_linear():
+    """A fusion whose schedule turns fuse_matmul on (speed-fm-c_fc-squeezed: c_fc
+    with its GELU) is said to be ATen's or nvFuser's own matmul kernel's; the rest ATen's alone."""
+    from tpfuser.parallel.passes import build_forward
+    from tpfuser.parallel.schedules import load_schedule
+    from tpfuser.verify.inspect import pass_summary
+    schedule = load_schedule("tools/schedules/speed-fm-c_fc-squeezed.json")
+    text = pass_summary(build_forward(preset("tiny", dtype="bf16", batch=1), None, schedule=schedule), schedule)
+    marked = [line for line in text.splitlines() if "nvFuser's own matmul kernel" in line]
+    assert len(marked) == 1 and "(from 'mlp.c_fc')" in marked[0] and "mlp_act" in marked[0]
+
+
 def test_check_table_one_line_a_rank_and_case():
     """The table `check` (and the main job on a GPU) prints from every rank's results."""
     from tpfuser.verify.check import RankReport

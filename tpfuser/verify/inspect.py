@@ -37,6 +37,8 @@ def pass_summary(built: Pass, schedule=None, beside: dict | None = None) -> str:
                 "flash attention": _count(r"= sdpa", body)}
         begins = f"from {piece.point!r}" if piece.point else "first"
         run_by_aten = ", ".join(f"{n} {k}" for k, n in aten.items() if n)
+        if schedule is not None and "fuse_matmul" in schedule.options(piece.point).get("_enable_options", ()):
+            run_by_aten += " (or nvFuser's own matmul kernel: fuse_matmul)"
         lines.append(f"  fusion {i} ({begins}): {', '.join(piece.inputs)} -> {', '.join(piece.outputs)}; "
                      f"{_count(r'(?m)^T[0-9]+_l', body)} fused" + (f"; run by ATen: {run_by_aten};" if run_by_aten else ""))
         if c := (beside or {}).get(piece.point):
