@@ -242,17 +242,24 @@ def test_backward_reads_the_saved_heads_as_the_forward_writes_them(dtype):
     assert cycled.shape == (2, 3, 5) and cycled.permute(2, 0, 1).is_contiguous()
 
 
+def stubbed_block(cfg, monkeypatch, schedule=None):
+    """A CPU ShardedBlock whose backward_inputs can run: the parameters' and
+    inputs' checks, which want CUDA tensors, stubbed."""
+    from tpfuser.runtime.block import ShardedBlock
+    block = ShardedBlock(cfg, device=torch.device("cpu"), schedule=schedule)
+    monkeypatch.setattr(block, "checked_params", lambda params=None: [])
+    monkeypatch.setattr(block, "validate_input", lambda name, t: None)
+    return block
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_backward_inputs_hand_the_saved_heads_over_as_they_lie(dtype, monkeypatch):
     """ShardedBlock.backward_inputs (the parameters' and inputs' checks, which
     want CUDA tensors, stubbed): in bf16 q, k, v and the attention output held
     as (b, s, h, d) pass uncopied; in fp32 they are made contiguous, as the
     fp32 backward declares them."""
-    from tpfuser.runtime.block import ShardedBlock
     cfg = preset("tiny", dtype=dtype)
-    block = ShardedBlock(cfg, device=torch.device("cpu"))
-    monkeypatch.setattr(block, "checked_params", lambda params=None: [])
-    monkeypatch.setattr(block, "validate_input", lambda name, t: None)
+    block = stubbed_block(cfg, monkeypatch)
     names = block.saved_names()
     saved = [torch.zeros(shape) if len(shape) != 4 else
              torch.zeros(shape[0], shape[2], shape[1], shape[3]).permute(0, 2, 1, 3)   # (b, h, s, d) over (b, s, h, d)
@@ -276,12 +283,9 @@ def test_backward_inputs_take_q_k_v_views_of_qkv_as_they_are(dtype, monkeypatch)
     qkv is not in) they are made contiguous. A copy each was what the view
     form's training step had run (NOTES.md)."""
     from tpfuser.parallel.schedules import SCHEDULES
-    from tpfuser.runtime.block import ShardedBlock
     cfg = preset("tiny", dtype=dtype)
     schedule = SCHEDULES["megatron-cut-linears"].replace(qkv_split="view")
-    block = ShardedBlock(cfg, device=torch.device("cpu"), schedule=schedule)
-    monkeypatch.setattr(block, "checked_params", lambda params=None: [])
-    monkeypatch.setattr(block, "validate_input", lambda name, t: None)
+    block = stubbed_block(cfg, monkeypatch, schedule)
     b, s, h, d = cfg.batch, cfg.seq, cfg.n_head, cfg.head_dim
     qkv = torch.randn(b, s, h, 3 * d)   # the rows [h, 3, d] of (b, s, 3e), as forward.split_heads views them
     views = {name: qkv[..., i * d:(i + 1) * d].permute(0, 2, 1, 3) for i, name in enumerate("qkv")}
@@ -295,9 +299,7 @@ def test_backward_inputs_take_q_k_v_views_of_qkv_as_they_are(dtype, monkeypatch)
             assert inputs[name].data_ptr() == view.data_ptr() and inputs[name].stride() == view.stride(), name
         else:
             assert inputs[name].is_contiguous() and inputs[name].data_ptr() != view.data_ptr(), name
-    laid = ShardedBlock(cfg, device=torch.device("cpu"), schedule=schedule.replace(qkv_split="slice"))
-    monkeypatch.setattr(laid, "checked_params", lambda params=None: [])
-    monkeypatch.setattr(laid, "validate_input", lambda name, t: None)
+    laid = stubbed_block(cfg, monkeypatch, schedule.replace(qkv_split="slice"))
     dense = laid.backward_inputs(torch.zeros(b, s, cfg.n_embd), torch.zeros(b, s, cfg.n_embd), saved)
     assert all(dense[name].data_ptr() != view.data_ptr() for name, view in views.items())   # slice: laid out densely
 

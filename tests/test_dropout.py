@@ -150,8 +150,8 @@ def test_the_wide_hash_is_the_halves_hash():
     from types import SimpleNamespace
     from tpfuser.block.dropout import PLAIN_OPS, hash_positions
     u64 = 2**64 - 1
-    wide = SimpleNamespace(**vars(PLAIN_OPS), wide=True, unsigned=lambda v: v & u64)
-    wide.mul = lambda a, b: (a * b) & u64
+    wide = SimpleNamespace(**{**vars(PLAIN_OPS), "wide": True, "unsigned": lambda v: v & u64,
+                              "mul": lambda a, b: (a * b) & u64})
     g = torch.Generator().manual_seed(7)
     index = torch.cat([torch.randint(0, 2**40, (3000,), generator=g, dtype=torch.int64),
                        torch.tensor([0, 1, 2**32 - 1, 2**32, 2**40 - 1])])

@@ -54,9 +54,9 @@ def split(text: str) -> list[dict]:
     scope it was spent in, innermost (`self_s`, by name, nested scopes
     excluded; `untraced_s`: in the execute's own scope, in none inside it)."""
     spans = closed_scopes(text)
-    calls = sorted((b, e, tid) for n, tid, b, e, outer, _ in spans if n == CALLING and outer)
+    calls = sorted((b, e, tid, mine) for n, tid, b, e, outer, mine in spans if n == CALLING and outer)
     rows = []
-    for b, e, caller in calls:
+    for b, e, caller, mine_of_call in calls:
         inside = [(n, tid, sb, se, outer) for n, tid, sb, se, outer, _ in spans if sb >= b and se <= e]
         row = {"wall_s": (e - b) * 1e-6}
         for scope, key in PHASES.items():
@@ -66,8 +66,7 @@ def split(text: str) -> list[dict]:
             if tid == caller and sb >= b and se <= e and (sb, se) != (b, e):
                 own[n] = own.get(n, 0.0) + mine * 1e-6
         row["self_s"] = dict(sorted(own.items(), key=lambda item: -item[1]))
-        row["untraced_s"] = next(mine for n, tid, sb, se, _, mine in spans
-                                 if n == CALLING and tid == caller and (sb, se) == (b, e)) * 1e-6
+        row["untraced_s"] = mine_of_call * 1e-6
         nvrtc = [se - sb for n, _, sb, se, _ in inside if n == "executor_utils::NVRTC"]
         row["kernels"] = sum(1 for n, *_ in inside if n == "KernelExecutor::compile")
         row["nvrtc_compiles"] = sum(1 for n, *_ in inside if n == "executor_utils::Nvrtc::CompileProgram")   # (not read back)

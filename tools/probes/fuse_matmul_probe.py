@@ -150,7 +150,10 @@ def run_case(case: str, dims: int, m_shape, k: int, n: int, iters: int, static: 
             out[mode] = {"ok": False, "error": first_line(e)}
         torch.cuda.synchronize()
     for name, ms in timed_ms(calls, iters).items():
-        (out[name] if name in MODES else out).update({"ms" if name in MODES else "eager_ms": ms})
+        if name == "eager":
+            out["eager_ms"] = ms
+        else:
+            out[name]["ms"] = ms
     return out
 
 

@@ -36,15 +36,15 @@ M32 = 0xFFFFFFFF
 MUL1, MUL2 = 0x7FEB352D, 0x846CA68B
 STREAMS = {"resid_attn": 0, "resid_mlp": 1, "attn": 2}
 
-# Python ints and torch int64 tensors share the operators.
+# Python ints and torch int64 tensors share the operators (not wide: int64 cannot hold a product of two 32-bit values).
 PLAIN_OPS = SimpleNamespace(xor=operator.xor, band=operator.and_, shr=operator.rshift, shl=operator.lshift,
-                            add=operator.add, mul=operator.mul)
+                            add=operator.add, mul=operator.mul, wide=False)
 
 
 def _mul32(x, c: int, ops):
     """(x * c) mod 2**32 for 0 <= x < 2**32 without leaving int64: every partial product is below 2**49
     (wide operations: the whole product, below 2**64, held exactly)."""
-    if getattr(ops, "wide", False):
+    if ops.wide:
         return ops.band(ops.mul(x, c), M32)
     low = ops.mul(x, c & 0xFFFF)
     high = ops.shl(ops.band(ops.mul(x, c >> 16), 0xFFFF), 16)
@@ -75,7 +75,7 @@ def _mix32_int(x: int) -> int:
 def hash_positions(index, key: int | object, ops=PLAIN_OPS):
     """32-bit hash of global positions (int64 >= 0) under a 62-bit key
     (low 32 bits mixed in before the first round, high 30 bits before the second)."""
-    if getattr(ops, "wide", False):
+    if ops.wide:
         index, key = ops.unsigned(index), ops.unsigned(key)
     k_low, k_high = ops.band(key, M32), ops.shr(key, 32)
     first = mix32(ops.xor(ops.band(index, M32), k_low), ops)

@@ -45,9 +45,8 @@ _KINDS = {"f32": DataType.Float, "u64": DataType.UInt64, "bool": DataType.Bool}
 def declared_order(name: str, cfg: BlockConfig, form: Form) -> tuple[int, ...] | None:
     """The memory order a fusion declares its input `name` in (tensors.memory_order; None:
     its dimensions' own order, as for the dropout scalars; dense unless free_strides)."""
-    if free_strides(name, form):
-        return memory_order(BY_NAME[name], cfg)
-    return memory_order(BY_NAME[name], cfg) if form.flash_layout and name in BY_NAME else None
+    laid = free_strides(name, form) or (form.flash_layout and name in BY_NAME)
+    return memory_order(BY_NAME[name], cfg) if laid else None
 
 
 def free_strides(name: str, form: Form) -> bool:
