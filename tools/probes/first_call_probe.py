@@ -177,6 +177,8 @@ def main() -> int:
         out["executes"] = rows
     for key in ("segmenting_s", "compile_wall_s", "nvrtc_sum_s", "kernel_compile_sum_s", "kernels"):
         out[key] = sum(r.get(key, 0) for r in rows)
+    from tpfuser.verify.meshes import environment   # after the measurement: date, GPU, versions, command, commit
+    out["environment"] = environment("python3 tools/probes/first_call_probe.py " + " ".join(sys.argv[1:]))
     print(json.dumps(out), flush=True)
     os._exit(0)
 

@@ -163,7 +163,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    rows = []
+    from tpfuser.verify.meshes import environment   # date, GPU, versions, command, commit
+    command = "python3 tools/probes/fuse_matmul_probe.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    env, rows = environment(command), []
     for name in args.preset:
         cfg = preset(name)
         e, tokens = cfg.n_embd, (cfg.batch, cfg.seq)
@@ -181,7 +183,7 @@ def main(argv=None) -> int:
                 print(f"{name} {case} {dims}d{form}: eager {row['eager_ms']:.4f} ms | " + " | ".join(cells), flush=True)
             if args.json:
                 with open(args.json, "w") as f:
-                    json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+                    json.dump({"environment": env, "gpu": env["gpu"], "torch": env["torch"], "rows": rows}, f, indent=1)
     return 0
 
 
