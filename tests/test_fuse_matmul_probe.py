@@ -48,28 +48,3 @@ def test_the_squeezed_forms_run_a_2d_linear_between_the_blocks_3d_shapes(squeeze
     assert "bS" in math.split("Outputs:")[1].split("%kernel_math")[0]   # the output 3D, its batch broadcast back
     unsqueezed = probe.define("bias+residual", 3, gpt3).fusion.print_math()
     assert next(line for line in unsqueezed.splitlines() if "= linear(" in line).count("{") == 3
-
-
-def test_the_blocks_squeezed_linears_are_the_probes_early_form():
-    """squeeze_unit_batch (a schedule field, mesh=false only): at a batch of 1
-    the linears it names (here c_fc) take 2D operands and their products are
-    broadcast back at once, fmprobe's "early" form; the others, every linear
-    at any other batch, and all without the field are the default's."""
-    from tpfuser.config import Layout, preset
-    from tpfuser.parallel.passes import build_forward
-    from tpfuser.parallel.schedules import SCHEDULES, load_schedule
-    squeezed = load_schedule(os.path.join(os.path.dirname(__file__), "..", "tools", "schedules",
-                                          "speed-fm-c_fc-squeezed.json"))
-    plain = SCHEDULES["megatron-cut-linears"].replace(mesh=False, cuts=squeezed.cuts)
-    one, many = preset("tiny", dtype="bf16", batch=1), preset("tiny", dtype="bf16")
-
-    def operands(cfg, schedule):   # each linear's first operand, as printed (mesh=false: no layout, as the block)
-        math = "".join(p.fd.fusion.print_math() for p in build_forward(cfg, None, schedule=schedule).pieces)
-        return [line.strip() for line in math.splitlines() if "= linear(" in line]
-    assert [o.count("{") for o in operands(one, squeezed)] == [3, 3, 2, 3]   # c_attn, attn c_proj, c_fc, c_proj
-    assert [o.count("{") for o in operands(one, plain)] == [3, 3, 3, 3]
-    assert operands(many, squeezed) == operands(many, plain)
-    with pytest.raises(ValueError, match="squeeze_unit_batch needs mesh=false"):
-        squeezed.replace(mesh=True).check(one, Layout())
-    with pytest.raises(ValueError, match=r"'squeeze_unit_batch': expected linears among .*, got \['mlp.fc'\]"):
-        squeezed.replace(squeeze_unit_batch=["mlp.fc"])

@@ -221,13 +221,13 @@ def test_fusion_summary_counts_what_aten_runs():
 
 
 def test_fusion_summary_says_where_fuse_matmul_may_take_a_linear():
-    """A fusion whose schedule turns fuse_matmul on (speed-fm-c_fc-squeezed: c_fc
+    """A fusion whose schedule turns fuse_matmul on (speed-fm-c_fc: c_fc
     with its GELU) is said to be ATen's or nvFuser's own matmul kernel's; the rest ATen's alone."""
     from tpfuser.parallel.passes import build_forward
     from tpfuser.parallel.schedules import load_schedule
     from tpfuser.verify.inspect import pass_summary
-    schedule = load_schedule("tools/schedules/speed-fm-c_fc-squeezed.json")
-    text = pass_summary(build_forward(preset("tiny", dtype="bf16", batch=1), None, schedule=schedule), schedule)
+    schedule = load_schedule("tools/schedules/speed-fm-c_fc.json")
+    text = pass_summary(build_forward(preset("tiny", dtype="bf16"), Layout(), schedule=schedule), schedule)
     marked = [line for line in text.splitlines() if "nvFuser's own matmul kernel" in line]
     assert len(marked) == 1 and "(from 'mlp.c_fc')" in marked[0] and "mlp_act" in marked[0]
 

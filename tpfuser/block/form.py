@@ -67,10 +67,9 @@ class Form:
     keys_on_device: bool = False
     seq_major: frozenset[str] = field(default_factory=frozenset)
     hash_ints: str = "int64"
-    squeeze_unit_batch: frozenset[str] = field(default_factory=frozenset)   # linears on 2D operands at batch 1
 
     def __post_init__(self):
-        for name in ("cuts", "hints", "seq_major", "squeeze_unit_batch"):
+        for name in ("cuts", "hints", "seq_major"):
             object.__setattr__(self, name, frozenset(getattr(self, name)))
         if self.masks not in MASK_FORMS:
             raise ValueError(f"masks={self.masks!r}: expected one of {', '.join(MASK_FORMS)}")

@@ -21,7 +21,7 @@ from tpfuser.block.inputs import MASK_STARTS, drawn_streams, rng_input_names
 from tpfuser.block.ops import (NV_DTYPE, causal_probs, dropout, global_positions, int_ops, gelu_tanh, layer_norm,
                                lay_out, one_hot_3)
 from tpfuser.block.pieces import Pieces
-from tpfuser.block.tensors import BY_NAME, MASKS, PARAM_NAMES, memory_order, param_shapes, saved
+from tpfuser.block.tensors import BY_NAME, MASKS, PARAM_NAMES, memory_order, saved
 from tpfuser.config import BlockConfig
 
 CHECK_MASKS = ("attn_keep", "resid_attn_keep", "resid_mlp_keep")   # a checking forward's outputs, in order
@@ -71,19 +71,6 @@ def keep_mask(b: Pieces, cfg: BlockConfig, stream: str, form: Form):
     hashed = hash_positions(global_positions(b, shape, starts), b[f"key.{stream}"], ints)
     threshold = b.define_scalar(keep_threshold(cfg.dropout), dtype=DataType.UInt64 if ints.wide else DataType.Int)
     return b.ops.lt(hashed, threshold)
-
-
-def linear(b: Pieces, name: str, x, cfg: BlockConfig, form: Form, bias: bool = True):
-    """x times the linear `name`'s weight transposed (plus its bias). For a
-    linear in form.squeeze_unit_batch at a batch of 1, on x with that batch
-    squeezed out, the product broadcast back: a static extent of 1 is a
-    Broadcast, which nvFuser's matmul scheduler cannot map, while 2D operands
-    it takes (tools/probes/fuse_matmul_probe.py's static and squeezed cases)."""
-    weight, bias_tv = b[f"{name}.weight"], b[f"{name}.bias"] if bias else None
-    if not (name in form.squeeze_unit_batch and cfg.batch == 1):
-        return b.ops.linear(x, weight, bias_tv)
-    y = b.ops.linear(b.ops.squeeze(x, dims=[0]), weight, bias_tv)
-    return b.ops.broadcast_in_dim(y, shape=[1, cfg.seq, param_shapes(cfg)[f"{name}.weight"][0]], broadcast_dims=[1, 2])
 
 
 def split_heads(b, qkv, cfg: BlockConfig, form: Form):
@@ -143,7 +130,7 @@ def define_forward(b: Pieces, cfg: BlockConfig, form: Form, check: bool = False,
     out("ln_1.mean", mean)
     out("ln_1.rstd", rstd)
     (ln_1,) = b.cut("attn.c_attn", {"ln_1.out": ops.cast(ln_1, dtype)})
-    qkv = linear(b, "attn.c_attn", ln_1, cfg, form)   # (b, s, 3e), heads outermost
+    qkv = ops.linear(ln_1, b["attn.c_attn.weight"], b["attn.c_attn.bias"])   # (b, s, 3e), heads outermost
     (qkv,) = b.cut("attn.c_attn.out", {"qkv": qkv})
     q, k, v = (out(name, t) for name, t in zip("qkv", split_heads(b, qkv, cfg, form)))
     if cfg.torch_dtype == torch.bfloat16:
@@ -165,7 +152,7 @@ def define_forward(b: Pieces, cfg: BlockConfig, form: Form, check: bool = False,
         y = ops.matmul(probs if keep_attn is None else dropout(b, probs, keep_attn, p), v)   # (b, h, s, d)
     y = ops.reshape(ops.permute(y, dims=[0, 2, 1, 3]), new_shape=bse)   # (b, s, e)
     (y,) = b.cut("attn.c_proj", {"attn_out": y})
-    proj = linear(b, "attn.c_proj", y, cfg, form, bias=False)   # row-parallel: partial sums over tp, reduced here
+    proj = ops.linear(y, b["attn.c_proj.weight"])   # row-parallel: partial sums over tp, reduced here
     (proj,) = b.cut("attn.c_proj.out", {"attn.c_proj.out": proj})
     branch = ops.add(ops.cast(proj, DataType.Float), ops.cast(b["attn.c_proj.bias"], DataType.Float))
     if p > 0:
@@ -176,10 +163,10 @@ def define_forward(b: Pieces, cfg: BlockConfig, form: Form, check: bool = False,
     out("ln_2.mean", mean)
     out("ln_2.rstd", rstd)
     (ln_2,) = b.cut("mlp.c_fc", {"ln_2.out": ops.cast(ln_2, dtype)})
-    h = out("mlp_h", linear(b, "mlp.c_fc", ln_2, cfg, form))   # (b, s, 4e)
+    h = out("mlp_h", ops.linear(ln_2, b["mlp.c_fc.weight"], b["mlp.c_fc.bias"]))   # (b, s, 4e)
     (h,) = b.cut("mlp.c_fc.out", {"mlp_h": h})
     (act,) = b.cut("mlp.c_proj", {"mlp_act": ops.cast(gelu_tanh(b, ops.cast(h, DataType.Float)), dtype)})
-    proj = linear(b, "mlp.c_proj", act, cfg, form, bias=False)
+    proj = ops.linear(act, b["mlp.c_proj.weight"])
     (proj,) = b.cut("mlp.c_proj.out", {"mlp.c_proj.out": proj})
     branch = ops.add(ops.cast(proj, DataType.Float), ops.cast(b["mlp.c_proj.bias"], DataType.Float))
     if p > 0:

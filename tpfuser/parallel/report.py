@@ -82,8 +82,6 @@ def format_schedule(schedule: dict) -> list[str]:
     lines.append(f"  cut into fusions at: {cuts}; dropout masks drawn {'by fusions of their own, one a mask' if schedule['masks'] == 'fusion' else 'inline'}; "
                  f"q/k/v by {schedule['qkv_split']}"
                  + (f"; masks hashed in {schedule['hash_ints']}" if schedule.get("hash_ints", "int64") != "int64" else "")
-                 + (f"; at a batch of 1 on 2D operands: {', '.join(schedule['squeeze_unit_batch'])}"
-                    if schedule.get("squeeze_unit_batch") else "")
                  + (f"; nvFuser options {options}" if options else ""))
     return lines
 

@@ -43,7 +43,6 @@ class Schedule:
     chunk's too; overlap "streams" runs its host IR with its own); fusion_options: more for some fusions, by the cut
     point each begins at ("" the first), e.g. {"mlp.c_fc.out": {"disable_options": ["infer_contiguity"]}}.
     mesh=False: the fusions without a device mesh (1x1 only), run by nvFuser's single-device executor.
-    squeeze_unit_batch: linears by name, block/form.py's; mesh=False only (a way to nvFuser's matmul kernel at gpt3).
     experimental: run what nvFuser 0.2.36 is known to fail (known_failure), to try a way round it."""
 
     name: str
@@ -60,7 +59,6 @@ class Schedule:
     disable_options: tuple[str, ...] = ()
     fusion_options: dict = field(default_factory=dict)
     mesh: bool = True
-    squeeze_unit_batch: tuple[str, ...] = ()
     experimental: bool = False
 
     def __post_init__(self):
@@ -77,7 +75,7 @@ class Schedule:
         if len(sp) > 1:
             _refuse("linears", "every linear sequence-parallel ('-sp' styles) or none (the regions between "
                     "them are either split over the sequence or not)", {k: v.style for k, v in self.linears.items()})
-        for name in ("cuts", "segment_hints", "enable_options", "disable_options", "squeeze_unit_batch"):
+        for name in ("cuts", "segment_hints", "enable_options", "disable_options"):
             value = getattr(self, name)
             if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
                 _refuse(name, "a list of strings", value)
@@ -110,8 +108,6 @@ class Schedule:
             _refuse("qkv_split", f"one of {', '.join(QKV_SPLITS)}", self.qkv_split)
         if self.hash_ints not in HASH_INTS:
             _refuse("hash_ints", f"one of {', '.join(HASH_INTS)}", self.hash_ints)
-        if set(self.squeeze_unit_batch) - set(LINEARS):
-            _refuse("squeeze_unit_batch", f"linears among {', '.join(LINEARS)}", list(self.squeeze_unit_batch))
         for name in ("flash_layout", "keys_on_device", "split_unit_axes", "mesh", "experimental"):
             if not isinstance(getattr(self, name), bool):
                 _refuse(name, "true or false", getattr(self, name))
@@ -155,7 +151,7 @@ class Schedule:
         """How the fusions are written under this schedule (block/form.py)."""
         seq_major = {n for n, lin in PARTIAL_SUMS.items() if self.sequence_parallel and lin not in self.chunked()}
         return Form(self.fusion_cuts(), self.masks, frozenset(self.segment_hints), self.qkv_split, self.flash_layout,
-                    self.keys_on_device, seq_major, self.hash_ints, frozenset(self.squeeze_unit_batch))
+                    self.keys_on_device, seq_major, self.hash_ints)
 
     def replace(self, **changes) -> "Schedule":
         return dataclasses.replace(self, **changes)
@@ -184,8 +180,6 @@ class Schedule:
                              f"1x1 only (what crosses a hint is not placed on the mesh; experimental: true runs it)")
         if not self.mesh and layout.world_size != 1:
             raise ValueError(f"schedule {self.name!r}: mesh=false needs a 1x1 layout, got {layout.dp}x{layout.tp}")
-        if self.squeeze_unit_batch and self.mesh:
-            raise ValueError(f"schedule {self.name!r}: squeeze_unit_batch needs mesh=false (no mesh split to squeeze)")
         for linear, plan in self.chunked().items():
             if plan.overlap == "ring":   # a step per rank: the rank's part of the sequence, whatever its length
                 if plan.chunks not in (1, layout.tp):
